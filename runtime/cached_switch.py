@@ -1,0 +1,111 @@
+"""CachedSwitchGLU: a drop-in for mlx-lm's SwitchGLU whose experts live in an ExpertCache.
+
+Shapes: N = tokens in the call, k = experts per token, D = hidden, S = cache slots.
+    x: (..., D), indices: (..., k) expert ids  ->  (..., k, D), the SwitchGLU contract.
+
+The module keeps a stock SwitchGLU whose stacked weights are the cache's slabs
+([S, ...] instead of [E, ...]) and calls it with slot ids, so the arithmetic is
+mlx-lm's own and the output is bit-identical to the resident model.
+
+Invariants:
+- Before a call touches the slabs, every earlier output of this module has been
+  evaluated and its slots unpinned (so eviction never races a pending graph).
+- A call whose unique experts exceed the usable slots is split into token groups
+  that each fit; each group is evaluated before the next one may evict its slots.
+- Round one reads the router's choice back to the host once per MoE layer.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+
+from runtime.expert_cache import ExpertCache
+from storage import LayerLayout
+
+
+def slab_switch_glu(layout: LayerLayout, slabs: dict[str, mx.array], activation) -> SwitchGLU:
+    """A stock SwitchGLU whose expert weights are the cache slabs of one layer."""
+    linears = {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        weight = slabs[f"{proj}.weight"]
+        q = layout.quant[proj]
+        out_dims = weight.shape[1]
+        if q is None:
+            lin = SwitchLinear(weight.shape[2], out_dims, 1, bias=False)
+            lin.weight = weight
+        else:
+            in_dims = slabs[f"{proj}.scales"].shape[-1] * q.group_size
+            lin = QuantizedSwitchLinear(in_dims, out_dims, 1, bias=False, group_size=q.group_size, bits=q.bits, mode=q.mode)
+            lin.weight = weight
+            lin.scales = slabs[f"{proj}.scales"]
+            lin.biases = slabs.get(f"{proj}.biases")
+        linears[proj] = lin
+    hidden = linears["gate_proj"].output_dims
+    glu = SwitchGLU(linears["gate_proj"].input_dims, hidden, 1, activation=activation)
+    glu.gate_proj, glu.up_proj, glu.down_proj = linears["gate_proj"], linears["up_proj"], linears["down_proj"]
+    glu.freeze()
+    return glu
+
+
+def split_by_capacity(ids: np.ndarray, capacity: int) -> list[slice]:
+    """Consecutive token ranges of `ids` (N, k) whose unique experts each fit `capacity`."""
+    groups, start, seen = [], 0, set()
+    for t in range(ids.shape[0]):
+        row = set(ids[t].tolist())
+        if len(seen | row) > capacity and t > start:
+            groups.append(slice(start, t))
+            start, seen = t, set()
+        seen |= row
+    groups.append(slice(start, ids.shape[0]))
+    return groups
+
+
+class CachedSwitchGLU(nn.Module):
+    def __init__(self, layer: int, layout: LayerLayout, cache: ExpertCache, activation, observer=None):
+        super().__init__()
+        self.layer = layer
+        self.cache = cache
+        self.observer = observer  # called as observer(layer, expert_ids (N, k), slots_loaded) if set
+        self.switch = slab_switch_glu(layout, cache.slabs[layer], activation)
+        self._pending: list[tuple[mx.array, np.ndarray]] = []
+
+    def _release(self) -> None:
+        if self._pending:
+            mx.eval([out for out, _ in self._pending])
+            for _, slots in self._pending:
+                self.cache.unpin(self.layer, slots)
+            self._pending = []
+
+    def _run(self, x: mx.array, ids: np.ndarray) -> mx.array:
+        unique = np.unique(ids)
+        slots = self.cache.ensure(self.layer, unique)
+        try:
+            slot_ids = self.cache.slot_ids(self.layer, ids)
+            out = self.switch(x, mx.array(slot_ids.astype(np.uint32)))
+        except BaseException:
+            self.cache.unpin(self.layer, slots)
+            raise
+        self._pending.append((out, slots))
+        return out
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        self._release()
+        ids = np.array(indices)  # host sync: which experts this call needs
+        if self.observer is not None:
+            self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))
+        k = ids.shape[-1]
+        flat = ids.reshape(-1, k)
+        groups = split_by_capacity(flat, self.cache.usable_slots(self.layer))
+        if len(groups) == 1:
+            return self._run(x, ids)
+        lead, D = x.shape[:-1], x.shape[-1]
+        xf = x.reshape(-1, D)
+        outs = []
+        for g in groups:
+            out = self._run(xf[g], flat[g])
+            self._release()  # the next group may evict these slots
+            outs.append(out)
+        return mx.concatenate(outs, axis=0).reshape(*lead, k, D)

@@ -1,0 +1,70 @@
+"""The `specmoe` command line (typer). Subcommands live in runtime/cmd_*.py.
+
+Invariant: bad input ends in one line on stderr naming what was wrong and what was
+expected, exit code 2, and no traceback unless --debug is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+import typer
+
+app = typer.Typer(
+    name="specmoe",
+    help="Run Mixture-of-Experts models larger than memory: experts paged from SSD into a budgeted cache, "
+    "speculative decoding with expert prefetch, output identical to the resident model.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs.")):
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _register() -> None:
+    from runtime import cmd_generate, cmd_store
+
+    cmd_generate.register(app)
+    cmd_store.register(app)
+    try:
+        from runtime import plan_cli
+    except ImportError:
+        return
+    plan_cli.register(app)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        app(args=args, prog_name="specmoe", standalone_mode=False)
+        return 0
+    except (typer.Exit, click.exceptions.Exit) as e:
+        return e.exit_code
+    except (typer.Abort, click.exceptions.Abort, KeyboardInterrupt):
+        print("specmoe: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except Exception as e:
+        # Usage errors (typer vendors its own click, so match by shape, not class).
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
+            e.show()
+            return 2
+        if debug or not isinstance(e, (ValueError, OSError, RuntimeError)):
+            raise
+        print(f"specmoe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""OffloadedModel: an mlx-lm model whose routed experts are paged from disk.
+
+Loading: mlx-lm builds the model lazily from the checkpoint (raw) or from the
+store's resident weights (packed); every MoE block's `switch_mlp` is replaced on
+that instance by a CachedSwitchGLU before any parameter is evaluated, so expert
+tensors are never materialised. mlx-lm classes are not patched: a stock model
+loaded in the same process is unaffected.
+
+Invariants: after load() every non-expert parameter came from the checkpoint
+(missing ones are an error naming the tensor), every stacked expert block in the
+store has exactly one module, and the cache holds at most the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.utils import load_model, load_tokenizer
+
+from runtime.budget import BudgetPlan, kv_bytes_estimate, parse_budget, plan_budget
+from runtime.cached_switch import CachedSwitchGLU
+from runtime.expert_cache import ExpertCache
+from runtime.families import check_supported, top_k
+from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    budget: str = "50%"  # --budget: size, share of expert bytes, or auto
+    policy: str = "lru"  # eviction policy name
+    threads: int = 4  # loader I/O threads
+    io_mode: str = "buffered"  # "buffered" or "direct"
+    verify_checksums: bool = True  # CRC-check packed records on every load (raw checkpoints have no CRCs)
+    context_tokens: int = 4096  # KV-cache size assumed by --budget auto
+
+
+def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    *parents, leaf = path.split(".")
+    node = root
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else getattr(node, p)
+    setattr(node, leaf, module)
+
+
+class OffloadedModel:
+    """The model, its tokenizer, and the store/loader/cache that feed its experts."""
+
+    def __init__(self, model, tokenizer, config: dict, store: ExpertStore, loader: AsyncLoader,
+                 cache: ExpertCache, plan: BudgetPlan, modules: dict[int, CachedSwitchGLU]):
+        self.model = model  # the mlx-lm model with cache-backed expert modules
+        self.tokenizer = tokenizer  # mlx-lm TokenizerWrapper
+        self.config = config  # config.json as loaded by mlx-lm
+        self.store = store
+        self.loader = loader
+        self.cache = cache
+        self.plan = plan  # budget, slots per layer and how they were computed
+        self.modules = modules  # MoE layer -> its cache-backed expert module
+
+    @classmethod
+    def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
+        store = ExpertStore.open(path, io_mode=cfg.io_mode)
+        check_supported(store.config, Path(path) / "config.json")
+        layouts = store.layouts()
+        if not layouts:
+            raise StoreError(path, "has no stacked routed-expert tensors (*.switch_mlp.*); nothing to page")
+        plan = plan_budget(
+            parse_budget(cfg.budget),
+            expert_bytes={l: lay.expert_bytes for l, lay in layouts.items()},
+            n_experts={l: lay.n_experts for l, lay in layouts.items()},
+            top_k=top_k(store.config),
+            resident_bytes=store.resident_bytes,
+            kv_bytes=kv_bytes_estimate(store.config, cfg.context_tokens),
+        )
+        loader = AsyncLoader(store, LoaderConfig(threads=cfg.threads, io_mode=cfg.io_mode, verify_checksums=cfg.verify_checksums))
+        try:
+            model, config = load_model(store.model_dir, lazy=True, strict=False)
+            cache = ExpertCache(layouts, plan.slots, loader, cfg.policy)
+            modules = cls._swap_experts(model, layouts, cache, store)
+            cls._check_resident(model, modules, store)
+            mx.eval(model.parameters())
+            tokenizer = load_tokenizer(store.model_dir, eos_token_ids=config.get("eos_token_id"))
+        except BaseException:
+            loader.close()
+            store.close()
+            raise
+        return cls(model, tokenizer, config, store, loader, cache, plan, modules)
+
+    @staticmethod
+    def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:
+        by_prefix = {lay.prefix: lay for lay in layouts.values()}
+        stock = [(p, m) for p, m in model.named_modules() if isinstance(m, SwitchGLU) and p.endswith("switch_mlp")]
+        found = {p for p, _ in stock}
+        for prefix in by_prefix:
+            if prefix not in found:
+                raise StoreError(store.model_dir, "expert tensors have no matching SwitchGLU in the mlx-lm model", tensor=prefix)
+        modules = {}
+        for path, module in stock:
+            lay = by_prefix.get(path)
+            if lay is None:
+                raise StoreError(store.model_dir, "missing expert tensors for this MoE block", tensor=f"{path}.gate_proj.weight")
+            modules[lay.layer] = CachedSwitchGLU(lay.layer, lay, cache, module.activation)
+            _set_module(model, path, modules[lay.layer])
+        return modules
+
+    @staticmethod
+    def _check_resident(model, modules, store) -> None:
+        prefixes = tuple(store.layout(l).prefix + "." for l in modules)
+        have = set(store.resident_tensors())
+        for name, _ in tree_flatten(model.parameters()):
+            if not name.startswith(prefixes) and name not in have:
+                raise StoreError(store.model_dir, "missing weight (the checkpoint does not match config.json)", tensor=name)
+
+    # -- stats -------------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        """Cumulative hits, misses, evictions, bytes read since load."""
+        stats = self.cache.stats().values()
+        return {
+            "hits": sum(s.hits for s in stats),
+            "misses": sum(s.misses for s in stats),
+            "evictions": sum(s.evictions for s in stats),
+            "prefetch_hits": sum(s.prefetch_hits for s in stats),
+            "bytes_read": self.loader.stats.bytes_read,
+            "load_wait_ms": self.loader.stats.wait_ms,
+        }
+
+    def close(self) -> None:
+        self.loader.close()
+        self.store.close()

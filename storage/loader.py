@@ -1,0 +1,253 @@
+"""AsyncLoader: a pool of I/O threads paging expert records into caller buffers.
+
+Contract:
+- submit() queues one (key, views) read; demand requests (priority 0) are served
+  before prefetches (priority >= 1), lower priority first, then FIFO.
+- A key already queued or being read is not read twice: the second submit gets
+  the first ticket (and raises its priority if the new one is more urgent).
+- cancel_stale(round_id) drops queued prefetches of other rounds; a read already
+  started is never interrupted.
+- Transient OS errors are retried (bounded, with backoff); with verify_checksums
+  a CRC mismatch is re-read once. A request that cannot be served fails its
+  ticket with a StoreError naming layer, expert, file and offset.
+- on_done(ticket) runs exactly once per ticket (done, failed or cancelled) before
+  waiters are released, so callers observe the bookkeeping it does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from storage.errors import StoreError
+from storage.keys import ExpertKey
+from storage.reader import IO_MODES, RangeReader
+
+DEMAND = 0
+PREFETCH = 1
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    threads: int = 4  # I/O threads; SSDs want a queue depth of several
+    io_mode: str = "buffered"  # "buffered" (page cache) or "direct" (O_DIRECT / F_NOCACHE)
+    verify_checksums: bool = False  # check packed-record CRC32 after every read
+    max_retries: int = 3  # attempts after the first for transient OS errors
+    retry_backoff_ms: float = 2.0  # first backoff; doubles each retry
+
+    def __post_init__(self):
+        if not 1 <= self.threads <= 64:
+            raise ValueError(f"LoaderConfig.threads={self.threads}; expected 1..64")
+        if self.io_mode not in IO_MODES:
+            raise ValueError(f"LoaderConfig.io_mode={self.io_mode!r}; expected one of {IO_MODES}")
+        if self.max_retries < 0:
+            raise ValueError(f"LoaderConfig.max_retries={self.max_retries}; expected >= 0")
+
+
+@dataclass
+class LoaderStats:
+    n_requests: int = 0  # tickets created (after in-flight de-duplication)
+    n_demand: int = 0  # tickets created at demand priority
+    n_prefetch: int = 0  # tickets created at prefetch priority
+    n_deduped: int = 0  # submits answered by a ticket already queued or in flight
+    n_promoted: int = 0  # queued prefetches raised to demand priority
+    n_cancelled: int = 0  # queued prefetches dropped as stale
+    n_failed: int = 0  # tickets that ended with an error
+    n_retries: int = 0  # re-reads after a transient error or a checksum mismatch
+    bytes_read: int = 0  # bytes delivered into buffers
+    read_ms: float = 0.0  # time spent inside reads, summed over threads
+    wait_ms: float = 0.0  # time demand callers spent blocked in wait_all()
+
+    def copy(self) -> "LoaderStats":
+        return LoaderStats(**self.__dict__)
+
+
+@dataclass(eq=False)
+class LoadTicket:
+    key: ExpertKey  # the expert being read
+    views: list  # destination buffers, one per layout tensor
+    priority: int  # 0 = demand; larger = later
+    round_id: int | None  # the speculative round a prefetch belongs to
+    on_done: Callable[["LoadTicket"], None] | None = None
+    error: BaseException | None = None  # set if the read failed
+    cancelled: bool = False  # dropped before it started
+    started: bool = False  # a thread has begun reading
+    _event: threading.Event = field(default_factory=threading.Event)
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"load of {self.key} did not finish in {timeout}s")
+        if self.error is not None:
+            raise self.error
+
+
+class AsyncLoader:
+    """Thread pool of positioned reads from an ExpertStore."""
+
+    def __init__(self, store, config: LoaderConfig = LoaderConfig(), reader: RangeReader | None = None):
+        self.store = store
+        self.config = config
+        self.reader = reader or RangeReader(config.io_mode)
+        self.stats = LoaderStats()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._inflight: dict[ExpertKey, LoadTicket] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"specmoe-io-{i}", daemon=True)
+            for i in range(config.threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- submitting ------------------------------------------------------------------
+    def submit(self, key: ExpertKey, views: list, *, priority: int = DEMAND, round_id: int | None = None,
+               on_done: Callable[[LoadTicket], None] | None = None) -> LoadTicket:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("AsyncLoader is closed")
+            ticket = self._inflight.get(key)
+            if ticket is not None:
+                self.stats.n_deduped += 1
+                if priority < ticket.priority and not ticket.started:
+                    ticket.priority = priority
+                    self.stats.n_promoted += 1
+                    heapq.heappush(self._heap, (priority, next(self._seq), ticket))
+                    self._cv.notify()
+                return ticket
+            ticket = LoadTicket(key, views, priority, round_id, on_done)
+            self._inflight[key] = ticket
+            self.stats.n_requests += 1
+            if priority == DEMAND:
+                self.stats.n_demand += 1
+            else:
+                self.stats.n_prefetch += 1
+            heapq.heappush(self._heap, (priority, next(self._seq), ticket))
+            self._cv.notify()
+            return ticket
+
+    def wait_all(self, tickets: list[LoadTicket]) -> None:
+        """Block until every ticket is done; raise the first error (after all finished)."""
+        t0 = time.perf_counter()
+        for t in tickets:
+            t._event.wait()
+        with self._cv:
+            self.stats.wait_ms += (time.perf_counter() - t0) * 1e3
+        for t in tickets:
+            if t.error is not None:
+                raise t.error
+            if t.cancelled:
+                raise RuntimeError(f"load of {t.key} was cancelled while a caller waited for it")
+
+    def cancel_stale(self, round_id: int | None) -> int:
+        """Drop queued prefetches whose round is not `round_id`; returns how many."""
+        dropped = []
+        with self._cv:
+            for _, _, t in self._heap:
+                if not t.started and not t.cancelled and t.priority != DEMAND and t.round_id != round_id:
+                    t.cancelled = True
+                    self._inflight.pop(t.key, None)
+                    dropped.append(t)
+            self._heap = [e for e in self._heap if not e[2].cancelled]
+            heapq.heapify(self._heap)
+            self.stats.n_cancelled += len(dropped)
+        for t in dropped:
+            self._finish(t)
+        return len(dropped)
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._inflight)
+
+    # -- the I/O threads ---------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._heap:
+                    return
+                prio, _, ticket = heapq.heappop(self._heap)
+                if ticket.cancelled or ticket.started or prio != ticket.priority:
+                    continue  # stale heap entry (cancelled, or re-pushed at a new priority)
+                ticket.started = True
+            self._read(ticket)
+            with self._cv:
+                self._inflight.pop(ticket.key, None)
+            self._finish(ticket)
+
+    def _read(self, ticket: LoadTicket) -> None:
+        key, cfg = ticket.key, self.config
+        t0 = time.perf_counter()
+        attempts, checksum_retried = 0, False
+        while True:
+            try:
+                n = self.store.read_into(key, ticket.views, self.reader)
+                if cfg.verify_checksums and not self._checksum_ok(key, ticket.views):
+                    if checksum_retried:
+                        rng = self.store.ranges(key)[0]
+                        raise StoreError(rng.path, f"checksum mismatch for expert {key.expert} of layer {key.layer} at offset {rng.offset}", tensor=f"layer {key.layer} expert {key.expert}")
+                    checksum_retried = True
+                    with self._cv:
+                        self.stats.n_retries += 1
+                    continue
+                with self._cv:
+                    self.stats.bytes_read += n
+                    self.stats.read_ms += (time.perf_counter() - t0) * 1e3
+                return
+            except OSError as e:
+                attempts += 1
+                if attempts > cfg.max_retries:
+                    rng = self.store.ranges(key)[0]
+                    ticket.error = StoreError(rng.path, f"reading expert {key.expert} of layer {key.layer} at offset {rng.offset} failed after {attempts} attempts: {e.strerror or e}")
+                    break
+                with self._cv:
+                    self.stats.n_retries += 1
+                time.sleep(cfg.retry_backoff_ms * (2 ** (attempts - 1)) / 1e3)
+            except BaseException as e:  # a StoreError or a bug: never leave the ticket hanging
+                ticket.error = e
+                break
+        with self._cv:
+            self.stats.n_failed += 1
+
+    def _checksum_ok(self, key: ExpertKey, views: list) -> bool:
+        expected = self.store.checksum(key)
+        if expected is None:
+            return True
+        crc = 0
+        for v in views:
+            crc = zlib.crc32(memoryview(v).cast("B"), crc)
+        return crc == expected
+
+    @staticmethod
+    def _finish(ticket: LoadTicket) -> None:
+        try:
+            if ticket.on_done is not None:
+                ticket.on_done(ticket)
+        finally:
+            ticket._event.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for _, _, t in self._heap:
+                if not t.started and not t.cancelled:
+                    t.cancelled = True
+            stale = [t for _, _, t in self._heap if t.cancelled and not t.started]
+            self._heap.clear()
+            self._cv.notify_all()
+        for t in stale:
+            if not t.done():
+                self._finish(t)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.reader.close()

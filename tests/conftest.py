@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny real-layout checkpoints built on the fly (never downloaded)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from runtime.tiny_checkpoint import FAMILIES, make_tiny
+from storage.packer import convert
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Experts live on disk and the loader fetches them."
+N_TOKENS = 16
+TINY = dict(layers=3, n_experts=32, top_k=4)  # 25% of 32 experts (8 slots) is above the minimum (4)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: make_tiny(root / fam, fam, seed=1, **TINY) for fam in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def packed_dirs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("packed")
+    return {fam: convert(src, root / fam) for fam, src in tiny_dirs.items()}
+
+
+@pytest.fixture()
+def tiny_qwen(tmp_path) -> Path:
+    """A fresh qwen3_moe checkpoint a test may damage."""
+    return make_tiny(tmp_path / "ckpt", "qwen3_moe", seed=2, **TINY)
+
+
+def greedy_ids(model, prompt_ids: list[int], n: int = N_TOKENS) -> list[int]:
+    out = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n):
+        out.append(int(token))
+        if len(out) == n:
+            break
+    return out
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def run_cli(args: list[str]) -> tuple[int, str, str]:
+    """Run `specmoe ARGS` in-process; returns (exit code, stdout, stderr)."""
+    from runtime.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue(), err.getvalue()

@@ -1,0 +1,94 @@
+"""SlotTable, policies and ExpertCache: hits, evictions, pins, failed loads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.cache_policy import LFUAgingPolicy, LRUPolicy, make_policy
+from runtime.expert_cache import ExpertCache
+from runtime.slot_table import FREE, VALID, SlotTable
+from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
+from storage.reader import RangeReader
+
+
+def _fill(table: SlotTable, layer: int, experts):
+    for e in experts:
+        present, absent = table.access(layer, [e])
+        for a in absent:
+            slot = table.reserve(ExpertKey(layer, a))
+            assert slot is not None
+            table.commit(ExpertKey(layer, a))
+
+
+def test_lru_evicts_least_recently_used():
+    t = SlotTable({0: 8}, {0: 3}, "lru")
+    _fill(t, 0, [1, 2, 3, 1, 4])  # 2 is the LRU when 4 arrives
+    assert t.slot_of(ExpertKey(0, 2)) == -1
+    assert {t.layers[0].slot_to_expert[s] for s in range(3)} == {1, 3, 4}
+    st = t.layers[0].stats
+    assert (st.hits, st.misses, st.evictions) == (1, 4, 1)
+
+
+def test_lfu_keeps_frequent_experts():
+    t = SlotTable({0: 8}, {0: 3}, "lfu")
+    _fill(t, 0, [1, 1, 1, 2, 2, 3, 4])  # 3 has count 1 and is older than 4
+    assert t.slot_of(ExpertKey(0, 3)) == -1
+    assert t.slot_of(ExpertKey(0, 1)) >= 0 and t.slot_of(ExpertKey(0, 2)) >= 0
+
+
+def test_lfu_aging_halves_counts():
+    p = LFUAgingPolicy(2, period=4)
+    for _ in range(3):
+        p.on_access(0)
+    p.on_access(1)  # 4th access: counts halve to 1.5 and 0.5
+    assert p.victim([0, 1]) == 1
+    assert isinstance(make_policy("lru", 2), LRUPolicy)
+    with pytest.raises(ValueError, match="expected one of"):
+        make_policy("fifo", 2)
+
+
+def test_pinned_and_loading_slots_are_never_evicted():
+    t = SlotTable({0: 8}, {0: 2}, "lru")
+    _fill(t, 0, [1, 2])
+    t.pin(0, [t.slot_of(ExpertKey(0, 1))])
+    assert t.reserve(ExpertKey(0, 3)) == t.slot_of(ExpertKey(0, 3))  # evicts 2, the unpinned one
+    assert t.slot_of(ExpertKey(0, 2)) == -1
+    assert t.reserve(ExpertKey(0, 4)) is None  # 1 pinned, 3 loading: nothing evictable
+    t.abort(ExpertKey(0, 3))
+    assert t.state_of(ExpertKey(0, 3)) == FREE
+
+
+class FailingReader(RangeReader):
+    def read(self, path, offset, buffers):
+        raise OSError(5, "Input/output error")
+
+
+def test_failed_load_leaves_no_valid_slot_and_nothing_pinned(packed_dirs):
+    store = ExpertStore.open(packed_dirs["qwen3_moe"])
+    loader = AsyncLoader(store, LoaderConfig(threads=1, max_retries=0), reader=FailingReader())
+    layer = store.moe_layers[0]
+    cache = ExpertCache({layer: store.layout(layer)}, {layer: 4}, loader)
+    with pytest.raises(StoreError):
+        cache.ensure(layer, np.array([3, 5]))
+    ls = cache.table.layers[layer]
+    assert (ls.state != VALID).all() and (ls.pins == 0).all() and (ls.expert_to_slot == -1).all()
+    loader.close()
+
+
+def test_ensure_fills_slots_with_the_right_bytes(packed_dirs):
+    store = ExpertStore.open(packed_dirs["qwen3_moe"])
+    loader = AsyncLoader(store, LoaderConfig(threads=2))
+    layer = store.moe_layers[1]
+    cache = ExpertCache({layer: store.layout(layer)}, {layer: 3}, loader)
+    for batch in ([1, 2, 3], [3, 4], [5, 6, 7], [1]):
+        slots = cache.ensure(layer, np.array(batch))
+        for e, s in zip(batch, slots):
+            views = [np.zeros(t.nbytes, np.uint8) for t in store.layout(layer).tensors]
+            store.read_into(ExpertKey(layer, e), views)
+            assert all((a == b).all() for a, b in zip(cache.slot_views(layer, int(s)), views))
+        cache.unpin(layer, slots)
+    st = cache.stats()[layer]
+    assert st.hits == 1 and st.misses == 8 and st.evictions == 5
+    assert cache.nbytes == 3 * store.layout(layer).expert_bytes
+    loader.close()

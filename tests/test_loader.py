@@ -1,0 +1,177 @@
+"""AsyncLoader: priorities, de-duplication, cancellation, retries, direct I/O."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
+from storage.loader import DEMAND, PREFETCH
+from storage.reader import RangeReader, drop_page_cache
+
+
+class GatedReader(RangeReader):
+    """Blocks every read until the test opens the gate; records the read order."""
+
+    def __init__(self):
+        super().__init__("buffered")
+        self.gate = threading.Event()
+        self.order: list[int] = []
+        self.lock = threading.Lock()
+
+    def read(self, path, offset, buffers):
+        self.gate.wait(5)
+        with self.lock:
+            self.order.append(offset)
+        return super().read(path, offset, buffers)
+
+
+class FlakyReader(RangeReader):
+    """Fails the first `failures` reads with EIO."""
+
+    def __init__(self, failures: int):
+        super().__init__("buffered")
+        self.failures = failures
+
+    def read(self, path, offset, buffers):
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError(5, "Input/output error")
+        return super().read(path, offset, buffers)
+
+
+@pytest.fixture()
+def store(packed_dirs):
+    s = ExpertStore.open(packed_dirs["qwen3_moe"])
+    yield s
+    s.close()
+
+
+def _views(store, layer):
+    return [np.zeros(t.nbytes, np.uint8) for t in store.layout(layer).tensors]
+
+
+def _expected(store, key):
+    v = _views(store, key.layer)
+    store.read_into(key, v)
+    return b"".join(x.tobytes() for x in v)
+
+
+def test_demand_is_served_before_queued_prefetches(store):
+    reader = GatedReader()
+    loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
+    layer = store.moe_layers[0]
+    keys = [ExpertKey(layer, e) for e in range(6)]
+    done_order = []
+    pre = [loader.submit(k, _views(store, layer), priority=PREFETCH, round_id=1, on_done=lambda t: done_order.append(t.key.expert)) for k in keys[:5]]
+    time.sleep(0.05)  # the single thread is now blocked on the first prefetch
+    dem = loader.submit(keys[5], _views(store, layer), priority=DEMAND, on_done=lambda t: done_order.append(t.key.expert))
+    reader.gate.set()
+    loader.wait_all(pre + [dem])
+    assert done_order[:2] == [0, 5]  # the read in flight finishes, then the demand jumps the queue
+    assert loader.stats.n_demand == 1 and loader.stats.n_prefetch == 5
+    loader.close()
+
+
+def test_inflight_requests_are_deduplicated_and_promoted(store):
+    reader = GatedReader()
+    loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
+    layer = store.moe_layers[0]
+    blocker = loader.submit(ExpertKey(layer, 0), _views(store, layer), priority=PREFETCH)
+    time.sleep(0.05)
+    views = _views(store, layer)
+    first = loader.submit(ExpertKey(layer, 3), views, priority=PREFETCH, round_id=1)
+    second = loader.submit(ExpertKey(layer, 3), _views(store, layer), priority=DEMAND)
+    assert first is second and first.priority == DEMAND
+    reader.gate.set()
+    loader.wait_all([blocker, second])
+    assert b"".join(v.tobytes() for v in views) == _expected(store, ExpertKey(layer, 3))
+    assert loader.stats.n_deduped == 1 and loader.stats.n_promoted == 1 and loader.stats.n_requests == 2
+    assert reader.order.count(store.ranges(ExpertKey(layer, 3))[0].offset) == 1
+    loader.close()
+
+
+def test_cancel_stale_drops_queued_prefetches_of_old_rounds(store):
+    reader = GatedReader()
+    loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
+    layer = store.moe_layers[1]
+    cancelled = []
+    first = loader.submit(ExpertKey(layer, 0), _views(store, layer), priority=PREFETCH, round_id=1)
+    time.sleep(0.05)
+    old = [loader.submit(ExpertKey(layer, e), _views(store, layer), priority=PREFETCH, round_id=1,
+                         on_done=lambda t: cancelled.append(t.cancelled)) for e in (1, 2)]
+    new = loader.submit(ExpertKey(layer, 3), _views(store, layer), priority=PREFETCH, round_id=2)
+    assert loader.cancel_stale(2) == 2
+    reader.gate.set()
+    loader.wait_all([first, new])
+    assert cancelled == [True, True] and all(t.done() and t.cancelled for t in old)
+    assert not first.cancelled  # a read already started is never interrupted
+    assert loader.stats.n_cancelled == 2
+    loader.close()
+
+
+def test_transient_errors_are_retried(store):
+    loader = AsyncLoader(store, LoaderConfig(threads=1, max_retries=3, retry_backoff_ms=0.1), reader=FlakyReader(2))
+    key = ExpertKey(store.moe_layers[0], 2)
+    views = _views(store, key.layer)
+    loader.wait_all([loader.submit(key, views)])
+    assert b"".join(v.tobytes() for v in views) == _expected(store, key)
+    assert loader.stats.n_retries == 2 and loader.stats.n_failed == 0
+    loader.close()
+
+
+def test_permanent_errors_name_layer_expert_file_and_offset(store):
+    loader = AsyncLoader(store, LoaderConfig(threads=1, max_retries=2, retry_backoff_ms=0.1), reader=FlakyReader(99))
+    key = ExpertKey(store.moe_layers[2], 9)
+    ticket = loader.submit(key, _views(store, key.layer))
+    with pytest.raises(StoreError) as err:
+        loader.wait_all([ticket])
+    msg = str(err.value)
+    rng = store.ranges(key)[0]
+    assert f"expert 9 of layer {key.layer}" in msg and rng.path in msg and str(rng.offset) in msg
+    assert loader.stats.n_failed == 1
+    loader.close()
+
+
+def test_direct_io_reads_the_same_bytes(store):
+    layer = store.moe_layers[0]
+    for path in {r.path for e in range(4) for r in store.ranges(ExpertKey(layer, e))}:
+        drop_page_cache(path)
+    loader = AsyncLoader(store, LoaderConfig(threads=2, io_mode="direct"))
+    for e in range(4):
+        key = ExpertKey(layer, e)
+        views = _views(store, layer)
+        loader.wait_all([loader.submit(key, views)])
+        assert b"".join(v.tobytes() for v in views) == _expected(store, key)
+    assert loader.stats.bytes_read == 4 * store.layout(layer).expert_bytes
+    loader.close()
+
+
+def test_direct_io_on_unaligned_raw_ranges(tiny_dirs):
+    store = ExpertStore.open(tiny_dirs["mixtral"], io_mode="direct")
+    key = ExpertKey(store.moe_layers[1], 11)
+    views = _views(store, key.layer)
+    store.read_into(key, views)
+    plain = ExpertStore.open(tiny_dirs["mixtral"])
+    assert b"".join(v.tobytes() for v in views) == _expected(plain, key)
+
+
+def test_checksum_verification_fails_corrupt_records(tmp_path, tiny_qwen):
+    from storage.packer import convert
+
+    packed = convert(tiny_qwen, tmp_path / "p")
+    store = ExpertStore.open(packed)
+    key = ExpertKey(store.moe_layers[0], 1)
+    (rng,) = store.ranges(key)
+    with open(rng.path, "r+b") as f:
+        f.seek(rng.offset)
+        f.write(b"\xff\xff\xff\xff")
+    loader = AsyncLoader(store, LoaderConfig(threads=1, verify_checksums=True))
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        loader.wait_all([loader.submit(key, _views(store, key.layer))])
+    ok = ExpertKey(store.moe_layers[0], 2)
+    loader.wait_all([loader.submit(ok, _views(store, ok.layer))])
+    loader.close()
