@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:
-        app(args=args, prog_name="specmoe", standalone_mode=False)
-        return 0
+        rv = app(args=args, prog_name="specmoe", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0  # typer.Exit(code) comes back as a return value
     except (typer.Exit, click.exceptions.Exit) as e:
         return e.exit_code
     except (typer.Abort, click.exceptions.Abort, KeyboardInterrupt):
