@@ -93,6 +93,7 @@ class CachedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         self._release()
+        self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
         ids = np.array(indices)  # host sync: which experts this call needs
         if self.observer is not None:
             self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))

@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
     @app.command("make-tiny")
     def make_tiny_cmd(
         out: Path = typer.Argument(..., help="New directory to write the checkpoint into."),
-        family: str = typer.Option("qwen3_moe", "--family", help="qwen3_moe, mixtral, qwen3_next or qwen3_5_moe."),
+        family: str = typer.Option("qwen3_moe", "--family", help="qwen3_moe, mixtral, qwen3_next, qwen3_5_moe, or qwen3 (a dense drafter)."),
         seed: int = typer.Option(0, "--seed"),
         layers: int = typer.Option(4, "--layers", min=1),
         experts: int = typer.Option(16, "--experts", min=2),

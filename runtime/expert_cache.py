@@ -24,7 +24,7 @@ import numpy as np
 
 from runtime.slot_table import LOADING, VALID, SlotTable
 from storage import AsyncLoader, ExpertKey, LayerLayout
-from storage.loader import DEMAND, LoadTicket
+from storage.loader import DEMAND, PREFETCH, LoadTicket
 
 _MX_DTYPE = {
     "U8": mx.uint8, "U16": mx.uint16, "U32": mx.uint32, "I8": mx.int8, "I16": mx.int16,
@@ -60,6 +60,7 @@ class ExpertCache:
         self.loader = loader
         self.table = SlotTable({l: lay.n_experts for l, lay in layouts.items()}, slots, policy)
         self._lock = threading.RLock()
+        self._protected: dict[ExpertKey, int] = {}  # forecast experts pinned until their layer is verified
         self.slabs: dict[int, dict[str, mx.array]] = {}
         self._host: dict[int, list[np.ndarray]] = {}
         for layer, lay in layouts.items():
@@ -92,8 +93,45 @@ class ExpertCache:
         with self._lock:
             if ticket.error is None and not ticket.cancelled:
                 self.table.commit(ticket.key)
-            else:
-                self.table.abort(ticket.key)
+                return
+            self.table.abort(ticket.key, cancelled=ticket.cancelled)
+            slot = self._protected.pop(ticket.key, None)
+            if slot is not None:
+                self.table.unpin(ticket.key.layer, [slot])
+
+    # -- prefetch path -------------------------------------------------------------------
+    def prefetch(self, keys: list[ExpertKey], round_id: int, max_bytes: int | None = None) -> int:
+        """Queue reads of the `keys` not resident (earlier layers first) and protect every
+        key from eviction until unprotect(layer). Returns the bytes queued."""
+        queued = 0
+        with self._lock:
+            for key in keys:
+                if key in self._protected:
+                    continue
+                ls = self.table.layers[key.layer]
+                slot = int(ls.expert_to_slot[key.expert])
+                if slot < 0:
+                    nbytes = self.layouts[key.layer].expert_bytes
+                    if max_bytes is not None and queued + nbytes > max_bytes:
+                        continue
+                    slot = self.table.reserve(key, prefetch=True)
+                    if slot is None:
+                        continue  # every slot of the layer is in use: skip, demand will load it
+                    self.table.pin(key.layer, [slot])
+                    self._protected[key] = slot
+                    self.loader.submit(key, self.slot_views(key.layer, slot), priority=PREFETCH + key.layer,
+                                       round_id=round_id, on_done=self._on_done)
+                    queued += nbytes
+                else:
+                    self.table.pin(key.layer, [slot])
+                    self._protected[key] = slot
+        return queued
+
+    def unprotect(self, layer: int | None = None) -> None:
+        """End the protection of forecast experts of `layer` (all layers if None)."""
+        with self._lock:
+            for key in [k for k in self._protected if layer is None or k.layer == layer]:
+                self.table.unpin(key.layer, [self._protected.pop(key)])
 
     def ensure(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Make `experts` (unique ids) valid in `layer`; returns their slots, pinned.

@@ -42,12 +42,16 @@ class OffloadConfig:
     context_tokens: int = 4096  # KV-cache size assumed by --budget auto
 
 
-def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
-    *parents, leaf = path.split(".")
+def get_module(root: nn.Module, path: str) -> nn.Module:
     node = root
-    for p in parents:
+    for p in path.split(".") if path else []:
         node = node[int(p)] if p.isdigit() else getattr(node, p)
-    setattr(node, leaf, module)
+    return node
+
+
+def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(get_module(root, parent), leaf, module)
 
 
 class OffloadedModel:
@@ -118,6 +122,31 @@ class OffloadedModel:
             if not name.startswith(prefixes) and name not in have:
                 raise StoreError(store.model_dir, "missing weight (the checkpoint does not match config.json)", tensor=name)
 
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self.modules)
+
+    @property
+    def top_k(self) -> int:
+        return top_k(self.config)
+
+    def routers(self) -> dict[int, "TargetRouter"]:
+        """Each MoE layer's post-attention norm and router gate, for forecasting."""
+        from predictor.spmoe import TargetRouter
+
+        out = {}
+        for layer in self.modules:
+            block_path = self.store.layout(layer).prefix.rpartition(".")[0]  # "...layers.3.mlp"
+            block = get_module(self.model, block_path)
+            decoder_layer = get_module(self.model, block_path.rpartition(".")[0])
+            out[layer] = TargetRouter(layer, decoder_layer.post_attention_layernorm, block.gate)
+        return out
+
+    def set_observer(self, observer) -> None:
+        """Call observer(layer, expert_ids (tokens, k)) on every MoE call; None to stop."""
+        for m in self.modules.values():
+            m.observer = observer
+
     # -- stats -------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
         """Cumulative hits, misses, evictions, bytes read since load."""
@@ -127,6 +156,9 @@ class OffloadedModel:
             "misses": sum(s.misses for s in stats),
             "evictions": sum(s.evictions for s in stats),
             "prefetch_hits": sum(s.prefetch_hits for s in stats),
+            "prefetch_loaded": sum(s.prefetch_loaded for s in stats),
+            "prefetch_wasted": sum(s.prefetch_wasted for s in stats),
+            "prefetch_cancelled": sum(s.prefetch_cancelled for s in stats),
             "bytes_read": self.loader.stats.bytes_read,
             "load_wait_ms": self.loader.stats.wait_ms,
         }

@@ -28,7 +28,10 @@ class LayerCacheStats:
     hits: int = 0  # unique experts per call found valid (or already loading for this call's reader)
     misses: int = 0  # unique experts per call that had to be read
     evictions: int = 0  # valid experts dropped to make room
-    prefetch_hits: int = 0  # hits on slots a prefetch filled and nobody had used yet
+    prefetch_hits: int = 0  # hits on slots a prefetch filled (or is filling) and nobody had used yet
+    prefetch_loaded: int = 0  # prefetches that completed
+    prefetch_wasted: int = 0  # prefetched experts evicted before any use
+    prefetch_cancelled: int = 0  # prefetches dropped before their read started
 
 
 class LayerSlots:
@@ -93,6 +96,8 @@ class SlotTable:
             slot = ls.policy.victim(candidates)
             ls.expert_to_slot[ls.slot_to_expert[slot]] = -1
             ls.stats.evictions += 1
+            if ls.prefetched[slot]:
+                ls.stats.prefetch_wasted += 1
         ls.slot_to_expert[slot] = key.expert
         ls.expert_to_slot[key.expert] = slot
         ls.state[slot] = LOADING
@@ -105,12 +110,16 @@ class SlotTable:
         slot = ls.expert_to_slot[key.expert]
         assert slot >= 0 and ls.state[slot] == LOADING, f"{key} was not loading"
         ls.state[slot] = VALID
+        if ls.prefetched[slot]:
+            ls.stats.prefetch_loaded += 1
 
-    def abort(self, key: ExpertKey) -> None:
+    def abort(self, key: ExpertKey, *, cancelled: bool = False) -> None:
         ls = self.layers[key.layer]
         slot = ls.expert_to_slot[key.expert]
         if slot < 0:
             return
+        if cancelled and ls.prefetched[slot]:
+            ls.stats.prefetch_cancelled += 1
         ls.expert_to_slot[key.expert] = -1
         ls.slot_to_expert[slot] = -1
         ls.state[slot] = FREE

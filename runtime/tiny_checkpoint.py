@@ -31,6 +31,7 @@ Once upon a time a model was larger than the machine that ran it, and it ran any
 """
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
+DENSE_FAMILIES = ("qwen3",)  # drafters
 
 
 def family_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 4,
@@ -41,6 +42,8 @@ def family_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False, "num_experts_per_tok": top_k, "max_position_embeddings": 4096,
     }
+    if family == "qwen3":
+        return {**common, "intermediate_size": 2 * hidden, "head_dim": hidden // 4, "rope_theta": 10000.0}
     if family == "qwen3_moe":
         return {**common, "intermediate_size": 2 * hidden, "num_experts": n_experts, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "moe_intermediate_size": expert_hidden, "head_dim": hidden // 4,
@@ -58,7 +61,7 @@ def family_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int
         return {**common, **hybrid, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     if family == "qwen3_5_moe":
         return {**common, **hybrid, "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
-    raise ValueError(f"family {family!r}; expected one of {FAMILIES}")
+    raise ValueError(f"family {family!r}; expected one of {FAMILIES + DENSE_FAMILIES}")
 
 
 def write_tokenizer(out: Path, vocab_size: int = 320) -> int:
@@ -86,8 +89,8 @@ def make_tiny(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0, shar
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; make-tiny writes a new checkpoint directory")
-    if family not in FAMILIES:
-        raise ValueError(f"--family {family!r}; expected one of {', '.join(FAMILIES)}")
+    if family not in FAMILIES + DENSE_FAMILIES:
+        raise ValueError(f"--family {family!r}; expected one of {', '.join(FAMILIES + DENSE_FAMILIES)}")
     out.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(out)
     config = family_config(family, vocab_size=vocab, **sizes)

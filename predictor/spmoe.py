@@ -1,0 +1,71 @@
+"""SP-MoE forecasting: the drafter's hidden states through the target's own routers.
+
+Shapes: T = tokens in the verify window (drafter taps), D_d / D_t = drafter /
+target width, E = experts, k' = experts taken per token.
+
+For each target layer t: H = drafter residual at layer m(t) for every window token
+(T, D_d) -> optional projection (T, D_t) -> target post-attention norm -> target
+gate -> softmax (T, E). Each token contributes its top-k' experts; the union is
+ranked by summed probability. All layers are computed in one MLX graph and read
+back once per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from predictor.base import DraftTaps, ExpertForecast, LayerForecast
+from predictor.projection import Projections
+
+
+@dataclass(frozen=True)
+class TargetRouter:
+    layer: int  # target decoder-layer index
+    norm: Callable[[mx.array], mx.array]  # the target's post-attention norm of that layer
+    gate: Callable[[mx.array], mx.array]  # the target's router: (..., D_t) -> (..., E) logits
+
+
+class SpmoePredictor:
+    name = "spmoe"
+
+    def __init__(self, routers: dict[int, TargetRouter], layer_map: dict[int, int], top_k: int,
+                 projections: Projections | None = None, limit: int | None = None, source: str = "residual"):
+        if source not in ("residual", "attention"):
+            raise ValueError(f"spmoe source={source!r}; expected 'residual' or 'attention'")
+        self.routers = routers
+        self.layer_map = layer_map  # target layer -> drafter layer
+        self.top_k = top_k  # k': experts taken per window token
+        self.projections = projections
+        self.limit = limit  # experts per layer at most after the union (None: the whole union)
+        self.source = source
+
+    def forecast(self, taps: DraftTaps, layers: list[int]) -> ExpertForecast:
+        per_token = taps.residual if self.source == "residual" else taps.attention
+        layers = [l for l in layers if l in self.routers]
+        if not per_token or not layers:
+            return ExpertForecast.empty()
+        probs = []
+        for l in layers:
+            m = self.layer_map[l]
+            h = mx.stack([tok[m].reshape(-1) for tok in per_token])  # (T, D_d)
+            if self.projections is not None:
+                h = self.projections.apply(l, h)
+            r = self.routers[l]
+            probs.append(mx.softmax(r.gate(r.norm(h.astype(mx.float32))).astype(mx.float32), axis=-1))
+        all_probs = np.array(mx.stack(probs))  # one host read: (layers, T, E)
+        out = {}
+        k = min(self.top_k, all_probs.shape[-1])
+        for l, p in zip(layers, all_probs):
+            top = np.argpartition(-p, k - 1, axis=-1)[:, :k]  # (T, k')
+            union = np.unique(top)
+            score = p[:, union].sum(axis=0)
+            order = np.argsort(-score, kind="stable")[: self.limit]
+            out[l] = LayerForecast(l, union[order].astype(np.int64), score[order])
+        return ExpertForecast(out)
+
+    def observe(self, routing: dict[int, np.ndarray]) -> None:
+        pass
