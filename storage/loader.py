@@ -102,6 +102,7 @@ class AsyncLoader:
         self._inflight: dict[ExpertKey, LoadTicket] = {}
         self._cv = threading.Condition()
         self._closed = False
+        self._active = 0  # tickets whose on_done has not finished yet
         self._threads = [
             threading.Thread(target=self._worker, name=f"specmoe-io-{i}", daemon=True)
             for i in range(config.threads)
@@ -126,6 +127,7 @@ class AsyncLoader:
                 return ticket
             ticket = LoadTicket(key, views, priority, round_id, on_done)
             self._inflight[key] = ticket
+            self._active += 1
             self.stats.n_requests += 1
             if priority == DEMAND:
                 self.stats.n_demand += 1
@@ -165,8 +167,15 @@ class AsyncLoader:
         return len(dropped)
 
     def pending(self) -> int:
+        """Tickets not finished yet (queued, reading, or running on_done)."""
         with self._cv:
-            return len(self._inflight)
+            return self._active
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every submitted ticket has finished, callbacks included."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._active == 0, timeout):
+                raise TimeoutError(f"{self._active} loads still pending after {timeout}s")
 
     # -- the I/O threads ---------------------------------------------------------------
     def _worker(self) -> None:
@@ -228,13 +237,15 @@ class AsyncLoader:
             crc = zlib.crc32(memoryview(v).cast("B"), crc)
         return crc == expected
 
-    @staticmethod
-    def _finish(ticket: LoadTicket) -> None:
+    def _finish(self, ticket: LoadTicket) -> None:
         try:
             if ticket.on_done is not None:
                 ticket.on_done(ticket)
         finally:
             ticket._event.set()
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
 
     def close(self) -> None:
         with self._cv:
