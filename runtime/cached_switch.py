@@ -68,7 +68,8 @@ class CachedSwitchGLU(nn.Module):
         super().__init__()
         self.layer = layer
         self.cache = cache
-        self.observer = observer  # called as observer(layer, expert_ids (N, k), slots_loaded) if set
+        self.observer = observer  # if set: observer(layer, expert_ids (N, k)) on every call (the decoder's)
+        self.telemetry = None  # if set: telemetry.on_call(layer, expert_ids (N, k), [CallStats per group])
         self.switch = slab_switch_glu(layout, cache.slabs[layer], activation)
         self._pending: list[tuple[mx.array, np.ndarray]] = []
 
@@ -79,9 +80,10 @@ class CachedSwitchGLU(nn.Module):
                 self.cache.unpin(self.layer, slots)
             self._pending = []
 
-    def _run(self, x: mx.array, ids: np.ndarray) -> mx.array:
+    def _run(self, x: mx.array, ids: np.ndarray, calls: list) -> mx.array:
         unique = np.unique(ids)
-        slots = self.cache.ensure(self.layer, unique)
+        slots, stats = self.cache.ensure(self.layer, unique)
+        calls.append(stats)
         try:
             slot_ids = self.cache.slot_ids(self.layer, ids)
             out = self.switch(x, mx.array(slot_ids.astype(np.uint32)))
@@ -100,13 +102,17 @@ class CachedSwitchGLU(nn.Module):
         k = ids.shape[-1]
         flat = ids.reshape(-1, k)
         groups = split_by_capacity(flat, self.cache.usable_slots(self.layer))
+        calls: list = []
         if len(groups) == 1:
-            return self._run(x, ids)
-        lead, D = x.shape[:-1], x.shape[-1]
-        xf = x.reshape(-1, D)
-        outs = []
-        for g in groups:
-            out = self._run(xf[g], flat[g])
-            self._release()  # the next group may evict these slots
-            outs.append(out)
-        return mx.concatenate(outs, axis=0).reshape(*lead, k, D)
+            out = self._run(x, ids, calls)
+        else:
+            lead, D = x.shape[:-1], x.shape[-1]
+            xf = x.reshape(-1, D)
+            outs = []
+            for g in groups:
+                outs.append(self._run(xf[g], flat[g], calls))
+                self._release()  # the next group may evict these slots
+            out = mx.concatenate(outs, axis=0).reshape(*lead, k, D)
+        if self.telemetry is not None:
+            self.telemetry.on_call(self.layer, flat, calls)
+        return out

@@ -18,6 +18,8 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +32,15 @@ _MX_DTYPE = {
     "U8": mx.uint8, "U16": mx.uint16, "U32": mx.uint32, "I8": mx.int8, "I16": mx.int16,
     "I32": mx.int32, "F16": mx.float16, "F32": mx.float32,
 }
+
+
+@dataclass(frozen=True)
+class CallStats:
+    hits: int  # unique experts already valid or loading
+    misses: int  # unique experts read on demand
+    prefetch_used: int  # hits on experts a prefetch brought in (or was bringing in)
+    bytes_read: int  # bytes of the demand reads
+    stall_ms: float  # time blocked waiting for reads (demand misses and in-flight prefetches)
 
 
 def allocate_slab(n_slots: int, shape: tuple[int, ...], dtype: str) -> tuple[mx.array, np.ndarray]:
@@ -133,8 +144,8 @@ class ExpertCache:
             for key in [k for k in self._protected if layer is None or k.layer == layer]:
                 self.table.unpin(key.layer, [self._protected.pop(key)])
 
-    def ensure(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """Make `experts` (unique ids) valid in `layer`; returns their slots, pinned.
+    def ensure(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, CallStats]:
+        """Make `experts` (unique ids) valid in `layer`; returns their slots, pinned, and what it took.
 
         The caller must unpin(layer, slots) once every graph reading them is evaluated.
         """
@@ -142,7 +153,9 @@ class ExpertCache:
         try:
             with self._lock:
                 ls = self.table.layers[layer]
+                used_before = ls.stats.prefetch_hits
                 present, absent = self.table.access(layer, experts)
+                prefetch_used = ls.stats.prefetch_hits - used_before
                 for e in present:
                     slot = int(ls.expert_to_slot[e])
                     self.table.pin(layer, [slot])
@@ -163,11 +176,14 @@ class ExpertCache:
                     self.table.pin(layer, [slot])
                     pinned.append(slot)
                     tickets.append(self.loader.submit(key, self.slot_views(layer, slot), priority=DEMAND, on_done=self._on_done))
+            t0 = time.perf_counter()
             self.loader.wait_all(tickets)
+            stall_ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0
             with self._lock:
                 slots = ls.expert_to_slot[np.asarray(experts, np.int64)].copy()
                 assert (slots >= 0).all() and (ls.state[slots] == VALID).all(), "ensure() returned an invalid slot"
-            return slots
+            stats = CallStats(len(present), len(absent), prefetch_used, len(absent) * self.layouts[layer].expert_bytes, stall_ms)
+            return slots, stats
         except BaseException:
             with self._lock:
                 if pinned:

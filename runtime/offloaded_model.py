@@ -27,6 +27,7 @@ from runtime.budget import BudgetPlan, kv_bytes_estimate, parse_budget, plan_bud
 from runtime.cached_switch import CachedSwitchGLU
 from runtime.expert_cache import ExpertCache
 from runtime.families import check_supported, top_k
+from runtime.telemetry import Telemetry
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class OffloadConfig:
     io_mode: str = "buffered"  # "buffered" or "direct"
     verify_checksums: bool = True  # CRC-check packed records on every load (raw checkpoints have no CRCs)
     context_tokens: int = 4096  # KV-cache size assumed by --budget auto
+    telemetry: bool = True  # per-round, per-layer records (cheap; see bench/bench_telemetry.py)
+    trace: bool = False  # also keep every token's routing for a trace file
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -58,7 +61,7 @@ class OffloadedModel:
     """The model, its tokenizer, and the store/loader/cache that feed its experts."""
 
     def __init__(self, model, tokenizer, config: dict, store: ExpertStore, loader: AsyncLoader,
-                 cache: ExpertCache, plan: BudgetPlan, modules: dict[int, CachedSwitchGLU]):
+                 cache: ExpertCache, plan: BudgetPlan, modules: dict[int, CachedSwitchGLU], telemetry: Telemetry | None):
         self.model = model  # the mlx-lm model with cache-backed expert modules
         self.tokenizer = tokenizer  # mlx-lm TokenizerWrapper
         self.config = config  # config.json as loaded by mlx-lm
@@ -67,6 +70,9 @@ class OffloadedModel:
         self.cache = cache
         self.plan = plan  # budget, slots per layer and how they were computed
         self.modules = modules  # MoE layer -> its cache-backed expert module
+        self.telemetry = telemetry  # per-round records fed by the modules (None when disabled)
+        for m in modules.values():
+            m.telemetry = telemetry
 
     @classmethod
     def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
@@ -95,7 +101,8 @@ class OffloadedModel:
             loader.close()
             store.close()
             raise
-        return cls(model, tokenizer, config, store, loader, cache, plan, modules)
+        telemetry = Telemetry(sorted(modules), trace=cfg.trace) if cfg.telemetry or cfg.trace else None
+        return cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry)
 
     @staticmethod
     def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:
@@ -141,6 +148,26 @@ class OffloadedModel:
             decoder_layer = get_module(self.model, block_path.rpartition(".")[0])
             out[layer] = TargetRouter(layer, decoder_layer.post_attention_layernorm, block.gate)
         return out
+
+    def label_round(self, kind: str) -> None:
+        """Name the next forward in telemetry ("prefill", "verify", "rerun", ...)."""
+        if self.telemetry is not None:
+            self.telemetry.label(kind)
+
+    def end_round(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.flush()
+
+    def model_id(self) -> dict:
+        """Identity of the model for traces: name, type, config digest, routing shape."""
+        from predictor.projection import config_digest
+        from runtime.families import text_config
+
+        cfg = text_config(self.config)
+        first = self.store.layout(self.moe_layers[0])
+        return {"name": self.store.model_dir.name, "model_type": self.config.get("model_type"),
+                "digest": config_digest(self.config), "n_experts": first.n_experts, "top_k": self.top_k,
+                "moe_layers": self.moe_layers, "hidden_size": cfg.get("hidden_size")}
 
     def set_observer(self, observer) -> None:
         """Call observer(layer, expert_ids (tokens, k)) on every MoE call; None to stop."""

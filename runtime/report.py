@@ -13,7 +13,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-console = Console(soft_wrap=True)  # results: stdout
+# Tables go to pipes and logs as often as to terminals: do not squeeze them to 80 columns there.
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)  # results: stdout
 err_console = Console(stderr=True, soft_wrap=True)  # progress, budgets and notes: stderr, so stdout stays pipeable
 
 

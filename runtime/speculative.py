@@ -163,6 +163,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         self._routing = {}
         self.target.set_observer(self._observe)
+        self.target.label_round("verify")
         logits = self.target.model(mx.array(window)[None], cache=self.cache)[0]  # (K+1, V)
         self.target.set_observer(None)
         mx.eval(logits)
@@ -199,8 +200,10 @@ class SpeculativeDecoder:
                         c.trim(len(window))
                     else:
                         c.state = s
+                self.target.label_round("rerun")
                 self.target.model(mx.array(window[: n_accepted + 1])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
+                self.target.end_round()
                 self.stats.n_reruns += 1
         elif rejected:
             for c in self.cache:
@@ -216,6 +219,7 @@ class SpeculativeDecoder:
             raise ValueError("the prompt is empty after tokenization; expected at least one token")
         head = prompt_ids[:-1]
         for i in range(0, len(head), self.cfg.prefill_chunk):
+            self.target.label_round("prefill")
             self.target.model(mx.array(head[i : i + self.cfg.prefill_chunk])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
         self.drafter.prefill(prompt_ids)
@@ -229,6 +233,9 @@ class SpeculativeDecoder:
         snapshot = _snapshot(self.cache)
         logits = self._verify(window)
         n, token = self._accept(draft, logits)
+        if self.target.telemetry is not None:
+            used = {ExpertKey(l, int(e)) for l, ids in self._routing.items() for e in np.unique(ids)}
+            self.target.telemetry.end_verify(n, len(self._queued), len(self._queued - used))
         self._score_forecast()
         self.predictor.observe(self._routing)
         self._rewind(window, n, snapshot)

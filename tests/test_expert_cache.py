@@ -82,7 +82,8 @@ def test_ensure_fills_slots_with_the_right_bytes(packed_dirs):
     layer = store.moe_layers[1]
     cache = ExpertCache({layer: store.layout(layer)}, {layer: 3}, loader)
     for batch in ([1, 2, 3], [3, 4], [5, 6, 7], [1]):
-        slots = cache.ensure(layer, np.array(batch))
+        slots, call = cache.ensure(layer, np.array(batch))
+        assert call.hits + call.misses == len(batch) and call.bytes_read == call.misses * store.layout(layer).expert_bytes
         for e, s in zip(batch, slots):
             views = [np.zeros(t.nbytes, np.uint8) for t in store.layout(layer).tensors]
             store.read_into(ExpertKey(layer, e), views)

@@ -1,0 +1,28 @@
+"""The embedded trained pair shipped as package data (see runtime/data/tiny/card.json).
+
+Invariant: paths point inside the installed package; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EmbeddedPair:
+    target: Path  # 4-bit qwen3_moe target checkpoint
+    drafter: Path  # dense qwen3 drafter of the same width and depth
+    drafter_shallow: Path | None  # a shallower drafter, if shipped
+    card: dict  # training record: corpus, seed, losses, acceptance, routing statistics
+
+
+def embedded_pair() -> EmbeddedPair:
+    root = Path(str(files("runtime") / "data" / "tiny"))
+    if not (root / "target" / "config.json").exists():
+        raise ValueError(f"the embedded model is missing from {root}; reinstall specmoe")
+    shallow = root / "drafter_shallow"
+    card = json.loads((root / "card.json").read_text()) if (root / "card.json").exists() else {}
+    return EmbeddedPair(root / "target", root / "drafter", shallow if shallow.exists() else None, card)

@@ -1,0 +1,133 @@
+"""Telemetry: what each forward pass cost, per MoE layer, fed by the modules themselves.
+
+A round is one target forward (a decode step, a prefill chunk, a verify window or
+a re-run after a rewind). The cache-backed modules report every call (the routed
+expert ids and the cache's CallStats); the decoder labels rounds and says how
+many of a verify window's tokens were accepted. Nothing is inferred from timings.
+
+Invariants: per-layer totals are the sums of the rounds' records; a routing
+trace gets exactly the tokens that became part of the output sequence (prefill,
+decode, and the accepted prefix plus the target's token of each verify window;
+never rejected drafts or re-runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LayerRecord:
+    n_tokens: int = 0  # tokens through the layer
+    n_pairs: int = 0  # (token, expert) pairs = tokens x k
+    n_unique: int = 0  # distinct experts the call needed
+    hits: int = 0  # of those, already resident (or loading)
+    misses: int = 0  # read on demand
+    prefetch_used: int = 0  # hits that a prefetch provided
+    bytes_read: int = 0  # demand bytes
+    stall_ms: float = 0.0  # time waiting for reads
+
+    def add(self, other: "LayerRecord") -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+@dataclass
+class RoundRecord:
+    index: int  # order of the round in the run
+    kind: str  # "forward" (unlabelled), "prefill", "decode", "verify" or "rerun"
+    n_tokens: int = 0  # tokens in the forward
+    n_accepted: int | None = None  # verify: draft tokens accepted
+    prefetch_queued: int = 0  # verify: experts queued by prefetch for this window
+    prefetch_wasted: int = 0  # verify: queued experts the window did not use
+    layers: dict[int, LayerRecord] = field(default_factory=dict)  # MoE layer -> record
+
+
+class Telemetry:
+    def __init__(self, moe_layers: list[int], *, keep_rounds: bool = True, trace: bool = False):
+        self.moe_layers = list(moe_layers)
+        self.keep_rounds = keep_rounds  # keep per-round records (off for very long runs)
+        self.tracing = trace  # collect routing for a trace
+        self.totals = {l: LayerRecord() for l in moe_layers}
+        self.rounds: list[RoundRecord] = []
+        self.sequences: list[list[np.ndarray]] = []  # per sequence: (tokens, layers, k) blocks
+        self._current: RoundRecord | None = None
+        self._routing: dict[int, np.ndarray] = {}
+        self._label: tuple[str, int] | None = None
+        self._n = 0
+
+    # -- fed by the decoder ------------------------------------------------------------
+    def new_sequence(self) -> None:
+        self._close()
+        self.sequences.append([])
+
+    def label(self, kind: str) -> None:
+        """Label the next forward (the modules open the round when layer calls arrive)."""
+        self._close()
+        self._label = (kind, 0)
+
+    def end_verify(self, n_accepted: int, prefetch_queued: int = 0, prefetch_wasted: int = 0) -> None:
+        r = self._current
+        if r is not None:
+            r.n_accepted, r.prefetch_queued, r.prefetch_wasted = n_accepted, prefetch_queued, prefetch_wasted
+        self._close(keep_tokens=n_accepted + 1)
+
+    # -- fed by the modules ------------------------------------------------------------
+    def on_call(self, layer: int, ids: np.ndarray, calls: list) -> None:
+        if self._current is None or layer in self._current.layers:
+            self._close()
+            kind = self._label[0] if self._label else ("decode" if ids.shape[0] == 1 else "prefill")
+            self._label = None
+            self._current = RoundRecord(self._n, kind, ids.shape[0])
+            self._n += 1
+        rec = LayerRecord(ids.shape[0], ids.size, len(np.unique(ids)),
+                          sum(c.hits for c in calls), sum(c.misses for c in calls),
+                          sum(c.prefetch_used for c in calls), sum(c.bytes_read for c in calls),
+                          sum(c.stall_ms for c in calls))
+        self._current.layers[layer] = rec
+        self.totals[layer].add(rec)
+        if self.tracing:
+            self._routing[layer] = ids
+
+    def _close(self, keep_tokens: int | None = None) -> None:
+        r = self._current
+        if r is None:
+            return
+        self._current = None
+        if self.keep_rounds:
+            self.rounds.append(r)
+        if self.tracing and r.kind != "rerun" and len(self._routing) == len(self.moe_layers):
+            block = np.stack([self._routing[l] for l in self.moe_layers], axis=1)  # (tokens, layers, k)
+            if keep_tokens is not None:
+                block = block[:keep_tokens]
+            if not self.sequences:
+                self.sequences.append([])
+            self.sequences[-1].append(block.astype(np.uint16))
+        self._routing = {}
+
+    def flush(self) -> None:
+        self._close()
+
+    # -- reading -------------------------------------------------------------------------
+    def trace_sequences(self) -> list[np.ndarray]:
+        self._close()
+        return [np.concatenate(blocks) for blocks in self.sequences if blocks]
+
+    def summary(self) -> dict:
+        self._close()
+        t = LayerRecord()
+        for rec in self.totals.values():
+            t.add(rec)
+        verify = [r for r in self.rounds if r.kind == "verify"]
+        return {
+            "rounds": len(self.rounds),
+            "hit_rate": t.hits / (t.hits + t.misses) if t.hits + t.misses else 1.0,
+            "unique_per_layer_per_verify": (
+                np.mean([np.mean([l.n_unique for l in r.layers.values()]) for r in verify]) if verify else None),
+            "pairs_per_layer_per_verify": (
+                np.mean([np.mean([l.n_pairs for l in r.layers.values()]) for r in verify]) if verify else None),
+            "bytes_read": t.bytes_read, "stall_ms": t.stall_ms, "misses": t.misses, "hits": t.hits,
+            "prefetch_used": t.prefetch_used,
+        }
