@@ -154,28 +154,18 @@ class ExpertCache:
             with self._lock:
                 ls = self.table.layers[layer]
                 used_before = ls.stats.prefetch_hits
-                present, absent = self.table.access(layer, experts)
+                present, absent, pinned = self.table.request(layer, experts)
                 prefetch_used = ls.stats.prefetch_hits - used_before
                 for e in present:
                     slot = int(ls.expert_to_slot[e])
-                    self.table.pin(layer, [slot])
-                    pinned.append(slot)
                     if ls.state[slot] == LOADING:
                         # An in-flight prefetch: wait for it, now at demand priority.
-                        key = ExpertKey(layer, e)
-                        tickets.append(self.loader.submit(key, self.slot_views(layer, slot), priority=DEMAND, on_done=self._on_done))
+                        tickets.append(self.loader.submit(ExpertKey(layer, e), self.slot_views(layer, slot),
+                                                          priority=DEMAND, on_done=self._on_done))
                 for e in absent:
-                    key = ExpertKey(layer, e)
-                    slot = self.table.reserve(key)
-                    if slot is None:
-                        raise RuntimeError(
-                            f"layer {layer}: no evictable slot for expert {e} "
-                            f"({ls.usable} usable slots, {int((ls.pins > 0).sum())} pinned); "
-                            f"a call needs at most {ls.usable} unique experts"
-                        )
-                    self.table.pin(layer, [slot])
-                    pinned.append(slot)
-                    tickets.append(self.loader.submit(key, self.slot_views(layer, slot), priority=DEMAND, on_done=self._on_done))
+                    slot = int(ls.expert_to_slot[e])
+                    tickets.append(self.loader.submit(ExpertKey(layer, e), self.slot_views(layer, slot),
+                                                      priority=DEMAND, on_done=self._on_done))
             t0 = time.perf_counter()
             self.loader.wait_all(tickets)
             stall_ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0

@@ -82,6 +82,29 @@ class SlotTable:
                 ls.stats.misses += 1
         return present, absent
 
+    def request(self, layer: int, experts) -> tuple[list[int], list[int], list[int]]:
+        """One call's bookkeeping, shared by the live cache and replays: record the use of
+        `experts` (unique ids), pin the slots of those present, reserve and pin a slot for each
+        absent one. Returns (present expert ids, absent expert ids, pinned slots), absent in the
+        order reserved. Raises RuntimeError (after unpinning) if no slot can be freed."""
+        ls = self.layers[layer]
+        present, absent = self.access(layer, experts)
+        pinned = [int(ls.expert_to_slot[e]) for e in present]
+        self.pin(layer, pinned)
+        for e in absent:
+            slot = self.reserve(ExpertKey(layer, e))
+            if slot is None:
+                self.unpin(layer, pinned)
+                for a in absent[: absent.index(e)]:
+                    self.abort(ExpertKey(layer, a))
+                raise RuntimeError(
+                    f"layer {layer}: no evictable slot for expert {e} ({ls.usable} usable slots, "
+                    f"{int((ls.pins > 0).sum())} pinned); a call needs at most {ls.usable} unique experts"
+                )
+            self.pin(layer, [slot])
+            pinned.append(slot)
+        return present, absent, pinned
+
     def reserve(self, key: ExpertKey, *, prefetch: bool = False) -> int | None:
         """Give `key` a slot in state loading, evicting if needed; None if every slot is busy."""
         ls = self.layers[key.layer]
