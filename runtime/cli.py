@@ -28,11 +28,12 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 
 
 def _register() -> None:
-    from runtime import cmd_generate, cmd_profile, cmd_store
+    from runtime import cmd_generate, cmd_profile, cmd_store, cmd_tune
 
     cmd_generate.register(app)
     cmd_store.register(app)
     cmd_profile.register(app)
+    cmd_tune.register(app)
     try:
         from runtime import plan_cli
     except ImportError:

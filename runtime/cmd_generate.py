@@ -46,12 +46,12 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
         seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
         draft: Path = typer.Option(None, "--draft", help="Drafter (mlx-lm model dir sharing the tokenizer): enables speculative decoding."),
-        num_draft: int = typer.Option(4, "--num-draft", "-k", help="Tokens the drafter proposes per round (K)."),
-        predictor: str = typer.Option("spmoe", "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, oracle."),
-        cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: all)."),
+        num_draft: int = typer.Option(None, "--num-draft", "-k", help="Tokens the drafter proposes per round (K; default: tuned, else 4)."),
+        predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, oracle (default: tuned, else spmoe)."),
+        cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, else all)."),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
-        policy: str = typer.Option("lru", "--policy", help="Cache eviction policy: lru or lfu."),
+        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, else lru)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
@@ -64,8 +64,15 @@ def register(app: typer.Typer) -> None:
         from runtime.generation import encode_prompt, generate_tokens
         from runtime.offloaded_model import OffloadConfig, OffloadedModel
 
-        if num_draft < 1:
+        if num_draft is not None and num_draft < 1:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
+        if draft is not None:
+            from runtime.tuned import resolve_settings
+
+            num_draft, predictor, cutoff, policy, note = resolve_settings(model, draft, budget, num_draft, predictor, cutoff, policy)
+            if note:
+                err_console.print(note, highlight=False)
+        policy = policy or "lru"
         mx.random.seed(seed)
         om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy, threads=threads, io_mode=io_mode,
                                                       verify_checksums=verify))
@@ -94,7 +101,7 @@ def register(app: typer.Typer) -> None:
                     projection=projection, temp=temp, top_p=top_p, seed=seed, eos_ids=eos, on_token=show,
                     max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6))
                 line, result["stats"] = spec_line(stats, prefetch_layers), stats.to_json()
-                result.update(draft=str(draft), num_draft=num_draft, predictor=predictor, cutoff=cutoff)
+                result.update(draft=str(draft), num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy)
             detok.finalize()
             sys.stdout.write(detok.last_segment + "\n")
             err_console.print(line, highlight=False)

@@ -167,7 +167,7 @@ class OffloadedModel:
         first = self.store.layout(self.moe_layers[0])
         return {"name": self.store.model_dir.name, "model_type": self.config.get("model_type"),
                 "digest": config_digest(self.config), "n_experts": first.n_experts, "top_k": self.top_k,
-                "moe_layers": self.moe_layers, "hidden_size": cfg.get("hidden_size")}
+                "moe_layers": self.moe_layers, "hidden_size": cfg.get("hidden_size"), "expert_bytes": first.expert_bytes}
 
     def set_observer(self, observer) -> None:
         """Call observer(layer, expert_ids (tokens, k)) on every MoE call; None to stop."""

@@ -1,0 +1,156 @@
+"""The tuner: choose speculative/prefetch settings from measurements. No hidden state.
+
+- analytic_cutoff_bound(): SP-MoE's constraints narrow the cutoff grid before
+  anything is measured: prefetching F experts for each of the first L layers must
+  fit in the slots a layer can spare beside a verify window, and must finish within
+  the drafting time at the measured per-expert load time over `threads` readers.
+- choose(): the fastest measured setting, except that among settings within the
+  noise of the best it prefers the simplest (prefetch off, then the smallest
+  cutoff, then the fewest draft tokens) — so a flat curve picks "off".
+- Tuning files: tuning.json next to the model/store holds entries keyed by model
+  digest, drafter digest, budget and machine; lookups ignore foreign or stale
+  entries and say why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TUNING_FILE = "tuning.json"
+TUNING_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Setting:
+    cutoff: int  # MoE layers prefetched for (0 = prefetch off)
+    predictor: str  # forecaster name
+    num_draft: int  # K
+    policy: str  # cache eviction policy
+
+    def simplicity(self) -> tuple:
+        """Smaller is simpler: prefetch off first, then small cutoffs, then short drafts."""
+        return (self.cutoff > 0, self.cutoff, self.num_draft, self.policy != "lru", self.predictor)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    setting: Setting
+    tokens_per_s: float  # median over prompts
+    misses_per_token: float  # demand misses per emitted token
+    prefetch_used_mb: float  # MB of prefetched experts that a verify pass used
+    prefetch_wasted_mb: float  # MB prefetched and never used (evicted or cancelled)
+    recall: float  # forecast recall over the prefetched layers
+    acceptance: float  # draft acceptance rate
+
+
+@dataclass(frozen=True)
+class Choice:
+    setting: Setting
+    measurement: Measurement
+    reason: str  # one line: why this one
+
+
+def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
+    if not measurements:
+        raise ValueError("the tuner needs at least one measurement")
+    best = max(measurements, key=lambda m: m.tokens_per_s)
+    close = [m for m in measurements if m.tokens_per_s >= best.tokens_per_s * (1 - rel_noise)]
+    pick = min(close, key=lambda m: m.setting.simplicity())
+    if pick is best:
+        reason = f"fastest measured ({best.tokens_per_s:.2f} tok/s)"
+    else:
+        reason = (f"within {rel_noise:.0%} of the fastest ({best.tokens_per_s:.2f} tok/s, {best.setting}) "
+                  f"and simpler ({pick.tokens_per_s:.2f} tok/s)")
+    if pick.setting.cutoff == 0:
+        reason += "; prefetch does not pay here"
+    return Choice(pick.setting, pick, reason)
+
+
+def analytic_cutoff_bound(*, n_layers: int, forecast_per_layer: float, slots_per_layer: int, window_unique: float,
+                          load_ms_per_expert: float, threads: int, draft_ms: float) -> int:
+    """The largest cutoff L that SP-MoE's memory and time constraints allow (0..n_layers)."""
+    if min(n_layers, threads) < 1 or forecast_per_layer < 0 or load_ms_per_expert < 0 or draft_ms < 0:
+        raise ValueError("analytic_cutoff_bound: counts must be positive and times non-negative")
+    if slots_per_layer - window_unique < min(1.0, forecast_per_layer):
+        return 0  # no slot to spare beside the verify window: prefetch would evict what verify needs
+    if forecast_per_layer == 0 or load_ms_per_expert == 0:
+        return n_layers
+    per_layer_ms = forecast_per_layer * load_ms_per_expert / threads
+    return max(0, min(n_layers, math.floor(draft_ms / per_layer_ms)))
+
+
+def cutoff_grid(upper: int, n_layers: int) -> list[int]:
+    """Coarse cutoffs: 0, the bound, and about three points between."""
+    upper = max(0, min(upper, n_layers))
+    pts = {0, upper} | {round(upper * f) for f in (0.25, 0.5, 0.75)}
+    return sorted(pts)
+
+
+def refine(best: int, measured: set[int], n_layers: int) -> list[int]:
+    """Neighbours of the best cutoff not measured yet."""
+    step = max(1, n_layers // 8)
+    return sorted({c for c in (best - step, best - 1, best + 1, best + step) if 0 <= c <= n_layers} - measured)
+
+
+def machine_key() -> dict:
+    import psutil
+
+    try:
+        import mlx.core as mx
+
+        metal = bool(mx.metal.is_available())
+    except Exception:  # an odd MLX build must not break tuning lookups
+        metal = False
+    return {"system": platform.system(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "memory_gb": round(psutil.virtual_memory().total / 1e9), "metal": metal}
+
+
+def tuning_key(model_digest: str, drafter_digest: str, budget: str) -> dict:
+    return {"model": model_digest, "drafter": drafter_digest, "budget": budget, "machine": machine_key()}
+
+
+def save_tuning(model_dir: Path, key: dict, choice: Choice, measurements: list[Measurement]) -> Path:
+    path = Path(model_dir) / TUNING_FILE
+    entries = []
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            entries = [e for e in data.get("entries", []) if e.get("key") != key]
+        except (ValueError, AttributeError):
+            entries = []  # a damaged file is replaced, not merged
+    entries.append({"key": key, "setting": asdict(choice.setting), "reason": choice.reason,
+                    "measured": [{**asdict(m.setting), **{k: v for k, v in asdict(m).items() if k != "setting"}}
+                                 for m in measurements]})
+    tmp = path.with_name(f".{TUNING_FILE}.tmp")
+    tmp.write_text(json.dumps({"version": TUNING_VERSION, "entries": entries}, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_tuning(model_dir: Path, key: dict) -> tuple[Setting | None, str | None]:
+    """(the tuned setting for exactly this key, or None; a note saying why not, if a file exists)."""
+    path = Path(model_dir) / TUNING_FILE
+    if not path.exists():
+        return None, None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != TUNING_VERSION:
+            return None, f"{path}: tuning format {data.get('version')!r} ignored (expected {TUNING_VERSION})"
+        entries = data["entries"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, f"{path}: not a valid tuning file; ignored"
+    for e in entries:
+        if e.get("key") == key:
+            try:
+                return Setting(**e["setting"]), None
+            except TypeError:
+                return None, f"{path}: malformed entry ignored"
+    stale = [e for e in entries if e.get("key", {}).get("model") != key["model"]]
+    if stale and len(stale) == len(entries):
+        return None, f"{path}: tuned for another version of this model (config changed); ignored — rerun specmoe tune"
+    return None, f"{path}: no entry for this drafter, budget {key['budget']!r} and machine; using defaults"

@@ -1,0 +1,73 @@
+"""Tuner selection logic on synthetic measurements, the analytic bound, tuning files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.tuner import (
+    Measurement, Setting, analytic_cutoff_bound, choose, cutoff_grid, load_tuning, refine, save_tuning, tuning_key,
+)
+
+
+def _m(cutoff, tps, k=3, predictor="spmoe", policy="lru"):
+    return Measurement(Setting(cutoff, predictor, k, policy), tps, 1.0, 0.0, 0.0, 0.9, 0.5)
+
+
+def test_inverted_u_curve_picks_the_peak():
+    # tok/s rises then falls with the cutoff (latency is U-shaped, as in SP-MoE's Mixtral curve).
+    curve = {0: 10.0, 4: 11.0, 8: 12.5, 12: 13.4, 16: 12.1, 20: 10.5, 24: 9.0}
+    c = choose([_m(L, t) for L, t in curve.items()])
+    assert c.setting.cutoff == 12 and "fastest" in c.reason
+
+
+def test_monotone_curve_picks_the_end():
+    c = choose([_m(L, 10 + L) for L in range(0, 9)])
+    assert c.setting.cutoff == 8
+
+
+def test_flat_curve_picks_off():
+    c = choose([_m(L, 10.0 + 0.01 * (L % 3)) for L in range(0, 9)])
+    assert c.setting.cutoff == 0 and "prefetch does not pay" in c.reason
+
+
+def test_prefetch_that_hurts_is_off():
+    c = choose([_m(0, 10.0), _m(4, 8.0), _m(8, 6.0)])
+    assert c.setting.cutoff == 0
+
+
+def test_ties_prefer_fewer_draft_tokens():
+    c = choose([_m(4, 10.0, k=4), _m(4, 10.1, k=2)])
+    assert c.setting.num_draft == 2
+    with pytest.raises(ValueError):
+        choose([])
+
+
+def test_analytic_bound():
+    # 16 forecast experts x 2 ms / 4 threads = 8 ms per layer; 40 ms of drafting covers 5 layers.
+    args = dict(n_layers=24, forecast_per_layer=16, slots_per_layer=64, window_unique=20, load_ms_per_expert=2.0,
+                threads=4, draft_ms=40.0)
+    assert analytic_cutoff_bound(**args) == 5
+    assert analytic_cutoff_bound(**{**args, "draft_ms": 1000.0}) == 24
+    assert analytic_cutoff_bound(**{**args, "slots_per_layer": 20}) == 0  # nothing to spare beside the window
+    assert cutoff_grid(8, 24) == [0, 2, 4, 6, 8]
+    assert refine(4, {0, 2, 4, 6, 8}, 24) == [1, 3, 5, 7]
+
+
+def test_tuning_file_keyed_and_stale_entries_ignored(tmp_path):
+    key = tuning_key("model-a", "drafter-x", "50%")
+    c = choose([_m(0, 10.0), _m(3, 12.0)])
+    save_tuning(tmp_path, key, c, [c.measurement])
+    setting, note = load_tuning(tmp_path, key)
+    assert setting == Setting(3, "spmoe", 3, "lru") and note is None
+    other_budget, note = load_tuning(tmp_path, tuning_key("model-a", "drafter-x", "25%"))
+    assert other_budget is None and "no entry" in note
+    stale, note = load_tuning(tmp_path, tuning_key("model-b", "drafter-x", "50%"))
+    assert stale is None and "another version of this model" in note
+    foreign_machine = {**key, "machine": {**key["machine"], "cpus": 999}}
+    assert load_tuning(tmp_path, foreign_machine)[0] is None
+    (tmp_path / "tuning.json").write_text("{not json")
+    assert load_tuning(tmp_path, key) == (None, f"{tmp_path / 'tuning.json'}: not a valid tuning file; ignored")
+    save_tuning(tmp_path, key, c, [c.measurement])  # a damaged file is replaced
+    assert json.loads((tmp_path / "tuning.json").read_text())["entries"][0]["setting"]["cutoff"] == 3
