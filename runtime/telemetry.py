@@ -115,19 +115,26 @@ class Telemetry:
         self._close()
         return [np.concatenate(blocks) for blocks in self.sequences if blocks]
 
-    def summary(self) -> dict:
+    def summary(self, exclude: tuple[str, ...] = ()) -> dict:
+        """Totals over all rounds, or over the rounds whose kind is not in `exclude` (needs keep_rounds)."""
         self._close()
         t = LayerRecord()
-        for rec in self.totals.values():
-            t.add(rec)
+        if exclude:
+            for r in self.rounds:
+                if r.kind not in exclude:
+                    for rec in r.layers.values():
+                        t.add(rec)
+        else:
+            for rec in self.totals.values():
+                t.add(rec)
         verify = [r for r in self.rounds if r.kind == "verify"]
         return {
-            "rounds": len(self.rounds),
+            "rounds": len([r for r in self.rounds if r.kind not in exclude]),
             "hit_rate": t.hits / (t.hits + t.misses) if t.hits + t.misses else 1.0,
             "unique_per_layer_per_verify": (
-                np.mean([np.mean([l.n_unique for l in r.layers.values()]) for r in verify]) if verify else None),
+                float(np.mean([np.mean([l.n_unique for l in r.layers.values()]) for r in verify])) if verify else None),
             "pairs_per_layer_per_verify": (
-                np.mean([np.mean([l.n_pairs for l in r.layers.values()]) for r in verify]) if verify else None),
+                float(np.mean([np.mean([l.n_pairs for l in r.layers.values()]) for r in verify])) if verify else None),
             "bytes_read": t.bytes_read, "stall_ms": t.stall_ms, "misses": t.misses, "hits": t.hits,
             "prefetch_used": t.prefetch_used,
         }
