@@ -13,6 +13,9 @@ Invariants:
 - A call whose unique experts exceed the usable slots is split into token groups
   that each fit; each group is evaluated before the next one may evict its slots.
 - Round one reads the router's choice back to the host once per MoE layer.
+- Calls of several tokens go through metal.dedup_switch_glu (each unique expert's
+  weights read once per window: a Metal kernel where it is self-checked, else the
+  exact reference), single tokens through the stock SwitchGLU.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
+from metal import dedup_switch_glu
 from runtime.expert_cache import ExpertCache
 from storage import LayerLayout
 
@@ -86,7 +90,10 @@ class CachedSwitchGLU(nn.Module):
         calls.append(stats)
         try:
             slot_ids = self.cache.slot_ids(self.layer, ids)
-            out = self.switch(x, mx.array(slot_ids.astype(np.uint32)))
+            slot_inds = mx.array(slot_ids.astype(np.uint32))
+            # Windows of several tokens (verify, prefill) read each unique expert once; decode keeps stock.
+            n_tokens = slot_ids.size // slot_ids.shape[-1]
+            out = dedup_switch_glu(self.switch, x, slot_inds) if n_tokens > 1 else self.switch(x, slot_inds)
         except BaseException:
             self.cache.unpin(self.layer, slots)
             raise

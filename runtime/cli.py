@@ -28,9 +28,10 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 
 
 def _register() -> None:
-    from runtime import cmd_demo, cmd_generate, cmd_profile, cmd_store, cmd_tune
+    from runtime import cmd_demo, cmd_generate, cmd_profile, cmd_selfcheck, cmd_store, cmd_tune
 
     cmd_demo.register(app)
+    cmd_selfcheck.register(app)
     cmd_generate.register(app)
     cmd_store.register(app)
     cmd_profile.register(app)
