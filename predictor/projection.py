@@ -64,9 +64,18 @@ class Projections:
         weights = {int(k.split(".")[1]): np.array(v, np.float64) for k, v in arrays.items()}
         return cls(weights, meta)
 
-    def check(self, target_config: dict, drafter_config: dict, where) -> None:
+    def check(self, target_config: dict, drafter_config: dict, where, fingerprints: tuple[str, str] | None = None) -> None:
+        """Refuse a file made for another pair: configs must match, and weights too when fingerprints are given."""
         want = {"target": config_digest(target_config), "drafter": config_digest(drafter_config)}
         got = {"target": self.meta.get("target_digest"), "drafter": self.meta.get("drafter_digest")}
+        if fingerprints is not None and want == got:
+            stored = (self.meta.get("target_weights"), self.meta.get("drafter_weights"))
+            if stored != tuple(fingerprints):
+                raise ValueError(
+                    f"{where}: projection file was fitted for other weights of this architecture "
+                    f"(target/drafter {stored[0]}/{stored[1]}, loaded {fingerprints[0]}/{fingerprints[1]}); "
+                    "run `specmoe calibrate` again for this pair"
+                )
         if want != got:
             raise ValueError(
                 f"{where}: projection file was made for target {self.meta.get('target_model_type')}/"

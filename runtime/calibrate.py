@@ -19,6 +19,7 @@ import numpy as np
 from predictor.layer_map import layer_map
 from predictor.projection import Projections, config_digest, ridge_fit
 from runtime.families import text_config
+from runtime.fingerprint import model_fingerprint
 from runtime.taps import HiddenTaps
 
 
@@ -80,6 +81,7 @@ def calibrate(target, draft_model, draft_config: dict, text: str, *, max_tokens:
         "drafter_model_type": draft_config.get("model_type"), "drafter_digest": config_digest(draft_config),
         "target_width": text_config(target.config)["hidden_size"], "drafter_width": text_config(draft_config)["hidden_size"],
         "layer_map": {str(t): d for t, d in lm.items()}, "n_tokens": len(ids), "ridge_lambda": lam,
+        "target_weights": model_fingerprint(target.model), "drafter_weights": model_fingerprint(draft_model),
     }
     return Projections(weights, meta), CalibrationReport(len(ids), r2, agreement)
 

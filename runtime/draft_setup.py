@@ -17,6 +17,7 @@ from predictor.layer_map import layer_map
 from predictor.projection import Projections, config_digest
 from runtime.drafter import ModelDrafter
 from runtime.families import text_config
+from runtime.fingerprint import model_fingerprint
 
 
 def default_projection_path(target_dir: Path, drafter_config: dict) -> Path:
@@ -53,7 +54,8 @@ def build_predictor(name: str, target, draft_model, draft_config: dict, *, proje
         path = projection or default_projection_path(target.store.model_dir, draft_config)
         if Path(path).exists():
             proj = Projections.load(path)
-            proj.check(target.config, draft_config, path)
+            proj.check(target.config, draft_config, path,
+                       (model_fingerprint(target.model), model_fingerprint(draft_model)))
         elif projection is not None:
             raise ValueError(f"--projection {projection}: file not found")
         elif t_width != d_width:

@@ -82,3 +82,12 @@ def test_width_mismatch_needs_a_projection(tiny_dirs, tmp_path):
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "-n", "6", "--draft", str(narrow),
                             "--projection", str(proj)])
     assert code == 0, err
+
+
+def test_projection_for_other_weights_of_the_same_architecture_is_refused(tiny_dirs, drafter_dir, tmp_path):
+    proj = tmp_path / "proj.safetensors"
+    assert run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(drafter_dir), "--out", str(proj)])[0] == 0
+    retrained = make_tiny(tmp_path / "retrained", "qwen3", seed=123, layers=TINY["layers"])  # same config, new weights
+    code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "--draft", str(retrained),
+                            "--projection", str(proj)])
+    assert code == 2 and "fitted for other weights" in _error_line(err)
