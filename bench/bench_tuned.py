@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--budget", default="50%")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--io-mode", default="buffered", choices=["buffered", "direct"])
     ap.add_argument("--noise", type=float, default=0.05, help="relative noise allowed before a setting counts as faster")
     args = ap.parse_args()
     pair = embedded_pair() if args.model is None or args.draft is None else None
@@ -44,7 +45,7 @@ def main() -> None:
     swept = {Setting(m["cutoff"], m["predictor"], m["num_draft"], m["policy"])
              for e in data["entries"] for m in e["measured"]}
     settings = [tuned] + sorted(swept - {tuned}, key=lambda s: s.simplicity())
-    runner = SettingRunner(Workload(model, draft, args.budget, read_prompts(args.prompts), args.max_tokens))
+    runner = SettingRunner(Workload(model, draft, args.budget, read_prompts(args.prompts), args.max_tokens, args.io_mode))
     samples = {s: [] for s in settings}
     for _ in range(args.trials):
         for s in settings:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Re-run every measurement the README reports, one after another, on the embedded pair and the
+# synthetic checkpoints; outputs go to $OUT (default bench/results) and plots to docs/img.
+# Run it on a quiet machine: each bench compares variants within one run, but noise still matters.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT" docs/img
+TARGET=$(python -c "from runtime.embedded import embedded_pair as e; print(e().target)")
+DRAFT=$(python -c "from runtime.embedded import embedded_pair as e; print(e().drafter)")
+run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$OUT/$name.txt" 2>&1 || { echo "FAILED: $name"; tail -5 "$OUT/$name.txt"; }; tail -1 "$OUT/$name.txt" | cut -c1-200; }
+run demo specmoe demo --json "$OUT/demo.json"
+run profile specmoe profile -m "$TARGET" --prompts bench/profile_texts.txt --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
+run sweep_cache specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --plot docs/img/cache.png --json "$OUT/sweep_cache.json"
+run speculative python bench/bench_speculative.py
+run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
+TUNED=$(mktemp -d)/target && cp -r "$TARGET" "$TUNED"  # tune writes tuning.json next to the model: not into the package
+run tune specmoe tune -m "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --json "$OUT/tune.json"
+run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 2 --io-mode direct
+run decode python bench/bench_decode.py
+run decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50%,25%
+run loader python bench/bench_loader.py
+run telemetry python bench/bench_telemetry.py
+run verify python bench/bench_verify.py
