@@ -57,6 +57,9 @@ def register(app: typer.Typer) -> None:
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
         chat: bool = typer.Option(True, "--chat/--raw-prompt", help="Apply the tokenizer's chat template if it has one."),
         json_path: Path = typer.Option(None, "--json", help="Write the text and stats as JSON to this path."),
+        governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
+                                      help="Shrink the expert cache while available RAM is low; grow it back after."),
+        inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
     ):
         """Generate text with routed experts paged from disk into a fixed-budget cache."""
         import mlx.core as mx
@@ -74,8 +77,11 @@ def register(app: typer.Typer) -> None:
                 err_console.print(note, highlight=False)
         policy = policy or "lru"
         mx.random.seed(seed)
+        from runtime.memory_governor import GovernorConfig
+
         om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy, threads=threads, io_mode=io_mode,
-                                                      verify_checksums=verify))
+                                                      verify_checksums=verify, governor=GovernorConfig() if governor else None,
+                                                      inject=inject or ""))
         try:
             err_console.print(describe_plan(om), highlight=False)
             ids = encode_prompt(om.tokenizer, prompt, chat=chat)
@@ -107,6 +113,8 @@ def register(app: typer.Typer) -> None:
             err_console.print(line, highlight=False)
             if json_path:
                 result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
+                if om.governor is not None:
+                    result["governor"] = {**om.governor.stats.to_json(), **om.governor.counters()}
                 write_json(json_path, result)
         finally:
             om.close()

@@ -27,8 +27,11 @@ from runtime.budget import BudgetPlan, kv_bytes_estimate, parse_budget, plan_bud
 from runtime.cached_switch import CachedSwitchGLU
 from runtime.expert_cache import ExpertCache
 from runtime.families import check_supported, top_k
+from runtime.memory_governor import GovernorConfig, MemoryGovernor
 from runtime.telemetry import Telemetry
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
+from storage.faults import FaultyReader, parse_faults
+from storage.reader import RangeReader
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class OffloadConfig:
     context_tokens: int = 4096  # KV-cache size assumed by --budget auto
     telemetry: bool = True  # per-round, per-layer records (cheap; see bench/bench_telemetry.py)
     trace: bool = False  # also keep every token's routing for a trace file
+    governor: GovernorConfig | None = None  # shrink the cache when RAM runs low (None: off)
+    inject: str = ""  # debug only: storage.faults spec of disk faults to inject ("": none)
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -61,7 +66,8 @@ class OffloadedModel:
     """The model, its tokenizer, and the store/loader/cache that feed its experts."""
 
     def __init__(self, model, tokenizer, config: dict, store: ExpertStore, loader: AsyncLoader,
-                 cache: ExpertCache, plan: BudgetPlan, modules: dict[int, CachedSwitchGLU], telemetry: Telemetry | None):
+                 cache: ExpertCache, plan: BudgetPlan, modules: dict[int, CachedSwitchGLU], telemetry: Telemetry | None,
+                 governor: MemoryGovernor | None = None):
         self.model = model  # the mlx-lm model with cache-backed expert modules
         self.tokenizer = tokenizer  # mlx-lm TokenizerWrapper
         self.config = config  # config.json as loaded by mlx-lm
@@ -71,11 +77,13 @@ class OffloadedModel:
         self.plan = plan  # budget, slots per layer and how they were computed
         self.modules = modules  # MoE layer -> its cache-backed expert module
         self.telemetry = telemetry  # per-round records fed by the modules (None when disabled)
+        self.governor = governor  # memory governor resizing the cache (None when off)
         for m in modules.values():
             m.telemetry = telemetry
 
     @classmethod
     def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
+        faults = parse_faults(cfg.inject) if cfg.inject else None  # a bad spec is refused before anything opens
         store = ExpertStore.open(path, io_mode=cfg.io_mode)
         check_supported(store.config, Path(path) / "config.json")
         layouts = store.layouts()
@@ -89,10 +97,12 @@ class OffloadedModel:
             resident_bytes=store.resident_bytes,
             kv_bytes=kv_bytes_estimate(store.config, cfg.context_tokens),
         )
-        loader = AsyncLoader(store, LoaderConfig(threads=cfg.threads, io_mode=cfg.io_mode, verify_checksums=cfg.verify_checksums))
+        reader = FaultyReader(RangeReader(cfg.io_mode), faults, store) if faults else None
+        loader = AsyncLoader(store, LoaderConfig(threads=cfg.threads, io_mode=cfg.io_mode, verify_checksums=cfg.verify_checksums),
+                             reader=reader)
         try:
             model, config = load_model(store.model_dir, lazy=True, strict=False)
-            cache = ExpertCache(layouts, plan.slots, loader, cfg.policy)
+            cache = ExpertCache(layouts, plan.slots, loader, cfg.policy, min_usable=top_k(store.config))
             modules = cls._swap_experts(model, layouts, cache, store)
             cls._check_resident(model, modules, store)
             mx.eval(model.parameters())
@@ -102,7 +112,8 @@ class OffloadedModel:
             store.close()
             raise
         telemetry = Telemetry(sorted(modules), trace=cfg.trace) if cfg.telemetry or cfg.trace else None
-        return cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry)
+        governor = MemoryGovernor(cache, cfg.governor).start() if cfg.governor is not None else None
+        return cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry, governor)
 
     @staticmethod
     def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:
@@ -188,8 +199,11 @@ class OffloadedModel:
             "prefetch_cancelled": sum(s.prefetch_cancelled for s in stats),
             "bytes_read": self.loader.stats.bytes_read,
             "load_wait_ms": self.loader.stats.wait_ms,
+            **(self.governor.counters() if self.governor is not None else {}),
         }
 
     def close(self) -> None:
+        if self.governor is not None:
+            self.governor.stop()
         self.loader.close()
         self.store.close()

@@ -8,6 +8,8 @@ never chosen for eviction.
 Invariants: expert_to_slot and slot_to_expert are inverse on occupied slots; a
 key is in at most one slot; only commit() makes a slot valid, and abort()
 returns a reserved slot to free, so a failed load never leaves a valid slot.
+reserve() only hands out slots below `usable`; slots at or above it (after a
+shrink by the memory governor) hold at most experts still pinned or loading.
 Not thread-safe by itself: ExpertCache serialises access with its lock.
 """
 
@@ -32,6 +34,7 @@ class LayerCacheStats:
     prefetch_loaded: int = 0  # prefetches that completed
     prefetch_wasted: int = 0  # prefetched experts evicted before any use
     prefetch_cancelled: int = 0  # prefetches dropped before their read started
+    shrink_evictions: int = 0  # valid experts dropped because their slot left the usable range
 
 
 class LayerSlots:
@@ -155,6 +158,30 @@ class SlotTable:
         pins = self.layers[layer].pins
         np.subtract.at(pins, np.asarray(slots, np.int64), 1)
         assert (pins >= 0).all(), "unpinned a slot that was not pinned"
+
+    def set_usable(self, layer: int, n: int) -> int:
+        """Allow only slots [0, n) to be filled from now on. Valid, unpinned experts in
+        slots >= n are evicted now; pinned or loading ones stay until trim() after their
+        release. Returns how many were evicted."""
+        ls = self.layers[layer]
+        assert 1 <= n <= ls.n_slots, f"layer {layer}: usable {n} outside 1..{ls.n_slots}"
+        ls.usable = n
+        return self.trim(layer)
+
+    def trim(self, layer: int) -> int:
+        """Evict valid, unpinned experts living in slots >= usable; returns how many."""
+        ls = self.layers[layer]
+        beyond = np.arange(ls.usable, ls.n_slots)
+        gone = beyond[(ls.state[beyond] == VALID) & (ls.pins[beyond] == 0)]
+        for slot in gone:
+            ls.expert_to_slot[ls.slot_to_expert[slot]] = -1
+            ls.slot_to_expert[slot] = -1
+            ls.state[slot] = FREE
+            if ls.prefetched[slot]:
+                ls.stats.prefetch_wasted += 1
+            ls.prefetched[slot] = False
+        ls.stats.shrink_evictions += len(gone)
+        return len(gone)
 
     def valid_count(self, layer: int) -> int:
         return int((self.layers[layer].state == VALID).sum())

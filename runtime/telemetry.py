@@ -5,7 +5,9 @@ a re-run after a rewind). The cache-backed modules report every call (the routed
 expert ids and the cache's CallStats); the decoder labels rounds and says how
 many of a verify window's tokens were accepted. Nothing is inferred from timings.
 
-Invariants: per-layer totals are the sums of the rounds' records; a routing
+Invariants: per-layer and per-kind totals are the sums of all rounds' records,
+while only the most recent `max_rounds` round records are kept (memory stays flat
+over long runs; the soak bench checks it); a routing
 trace gets exactly the tokens that became part of the output sequence (prefill,
 decode, and the accepted prefix plus the target's token of each verify window;
 never rejected drafts or re-runs).
@@ -13,6 +15,7 @@ never rejected drafts or re-runs).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -46,12 +49,16 @@ class RoundRecord:
 
 
 class Telemetry:
-    def __init__(self, moe_layers: list[int], *, keep_rounds: bool = True, trace: bool = False):
+    def __init__(self, moe_layers: list[int], *, keep_rounds: bool = True, trace: bool = False, max_rounds: int = 4096):
         self.moe_layers = list(moe_layers)
-        self.keep_rounds = keep_rounds  # keep per-round records (off for very long runs)
-        self.tracing = trace  # collect routing for a trace
+        self.keep_rounds = keep_rounds  # keep recent per-round records
+        self.tracing = trace  # collect routing for a trace (grows with the run, by design)
         self.totals = {l: LayerRecord() for l in moe_layers}
-        self.rounds: list[RoundRecord] = []
+        self.rounds: deque[RoundRecord] = deque(maxlen=max_rounds)  # the most recent rounds
+        self.kinds: dict[str, LayerRecord] = {}  # all rounds of a kind, all layers summed
+        self.n_rounds: dict[str, int] = {}  # rounds per kind
+        self._verify_unique = 0.0  # sum over verify rounds of mean unique experts per layer
+        self._verify_pairs = 0.0  # sum over verify rounds of mean (token, expert) pairs per layer
         self.sequences: list[list[np.ndarray]] = []  # per sequence: (tokens, layers, k) blocks
         self._current: RoundRecord | None = None
         self._routing: dict[int, np.ndarray] = {}
@@ -98,6 +105,13 @@ class Telemetry:
         self._current = None
         if self.keep_rounds:
             self.rounds.append(r)
+        agg = self.kinds.setdefault(r.kind, LayerRecord())
+        for rec in r.layers.values():
+            agg.add(rec)
+        self.n_rounds[r.kind] = self.n_rounds.get(r.kind, 0) + 1
+        if r.kind == "verify" and r.layers:
+            self._verify_unique += float(np.mean([l.n_unique for l in r.layers.values()]))
+            self._verify_pairs += float(np.mean([l.n_pairs for l in r.layers.values()]))
         if self.tracing and r.kind != "rerun" and len(self._routing) == len(self.moe_layers):
             block = np.stack([self._routing[l] for l in self.moe_layers], axis=1)  # (tokens, layers, k)
             if keep_tokens is not None:
@@ -116,25 +130,18 @@ class Telemetry:
         return [np.concatenate(blocks) for blocks in self.sequences if blocks]
 
     def summary(self, exclude: tuple[str, ...] = ()) -> dict:
-        """Totals over all rounds, or over the rounds whose kind is not in `exclude` (needs keep_rounds)."""
+        """Totals over all rounds, or over the rounds whose kind is not in `exclude`."""
         self._close()
         t = LayerRecord()
-        if exclude:
-            for r in self.rounds:
-                if r.kind not in exclude:
-                    for rec in r.layers.values():
-                        t.add(rec)
-        else:
-            for rec in self.totals.values():
+        for kind, rec in self.kinds.items():
+            if kind not in exclude:
                 t.add(rec)
-        verify = [r for r in self.rounds if r.kind == "verify"]
+        n_verify = self.n_rounds.get("verify", 0)
         return {
-            "rounds": len([r for r in self.rounds if r.kind not in exclude]),
+            "rounds": sum(n for k, n in self.n_rounds.items() if k not in exclude),
             "hit_rate": t.hits / (t.hits + t.misses) if t.hits + t.misses else 1.0,
-            "unique_per_layer_per_verify": (
-                float(np.mean([np.mean([l.n_unique for l in r.layers.values()]) for r in verify])) if verify else None),
-            "pairs_per_layer_per_verify": (
-                float(np.mean([np.mean([l.n_pairs for l in r.layers.values()]) for r in verify])) if verify else None),
+            "unique_per_layer_per_verify": self._verify_unique / n_verify if n_verify else None,
+            "pairs_per_layer_per_verify": self._verify_pairs / n_verify if n_verify else None,
             "bytes_read": t.bytes_read, "stall_ms": t.stall_ms, "misses": t.misses, "hits": t.hits,
             "prefetch_used": t.prefetch_used,
         }

@@ -4,10 +4,12 @@ Contract:
 - submit() queues one (key, views) read; demand requests (priority 0) are served
   before prefetches (priority >= 1), lower priority first, then FIFO.
 - A key already queued or being read is not read twice: the second submit gets
-  the first ticket (and raises its priority if the new one is more urgent).
+  the first ticket (and raises its priority if the new one is more urgent);
+  promote(ticket) raises the priority of a ticket the caller already holds.
 - cancel_stale(round_id) drops queued prefetches of other rounds; a read already
   started is never interrupted.
-- Transient OS errors are retried (bounded, with backoff); with verify_checksums
+- Transient OS errors, and reads that return fewer bytes than asked, are
+  retried (bounded, with backoff); with verify_checksums
   a CRC mismatch is re-read once. A request that cannot be served fails its
   ticket with a StoreError naming layer, expert, file and offset.
 - on_done(ticket) runs exactly once per ticket (done, failed or cancelled) before
@@ -16,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import threading
@@ -150,6 +153,16 @@ class AsyncLoader:
             if t.cancelled:
                 raise RuntimeError(f"load of {t.key} was cancelled while a caller waited for it")
 
+    def promote(self, ticket: LoadTicket, priority: int = DEMAND) -> None:
+        """Serve a still-queued `ticket` at `priority` (no-op once its read has started)."""
+        with self._cv:
+            if ticket.started or ticket.cancelled or ticket.done() or priority >= ticket.priority:
+                return
+            ticket.priority = priority
+            self.stats.n_promoted += 1
+            heapq.heappush(self._heap, (priority, next(self._seq), ticket))
+            self._cv.notify()
+
     def cancel_stale(self, round_id: int | None) -> int:
         """Drop queued prefetches whose round is not `round_id`; returns how many."""
         dropped = []
@@ -198,9 +211,13 @@ class AsyncLoader:
         key, cfg = ticket.key, self.config
         t0 = time.perf_counter()
         attempts, checksum_retried = 0, False
+        expected = sum(memoryview(v).nbytes for v in ticket.views)
         while True:
             try:
                 n = self.store.read_into(key, ticket.views, self.reader)
+                if n != expected:
+                    # A reader that returns short must not get its buffers committed: retry.
+                    raise OSError(errno.EIO, f"short read ({n} of {expected} bytes)")
                 if cfg.verify_checksums and not self._checksum_ok(key, ticket.views):
                     if checksum_retried:
                         rng = self.store.ranges(key)[0]

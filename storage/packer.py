@@ -120,7 +120,8 @@ def convert(src_dir: str | Path, dst_dir: str | Path, *, force: bool = False,
     if dst_dir.exists() and not force:
         raise ValueError(f"destination {dst_dir} exists; pass --force to replace it")
     dst_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in dst_dir.parent.glob(f".{dst_dir.name}.partial-*"):
+    # Leftovers of an interrupted convert: a partial new store, or the old store a --force was replacing.
+    for stale in [*dst_dir.parent.glob(f".{dst_dir.name}.partial-*"), *dst_dir.parent.glob(f".{dst_dir.name}.old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = dst_dir.parent / f".{dst_dir.name}.partial-{os.getpid()}"
     tmp.mkdir()

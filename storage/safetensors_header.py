@@ -24,8 +24,9 @@ from pathlib import Path
 
 from storage.errors import StoreError
 
-MAX_HEADER_BYTES = 64 * 1024 * 1024  # real headers are KBs to a few MBs
+MAX_HEADER_BYTES = 16 * 1024 * 1024  # real headers are KBs to a few MBs; parsed JSON is ~13x larger
 MAX_JSON_DEPTH = 8
+MAX_RANK = 8  # dimensions per tensor; a huge shape list is an allocation attack, not a tensor
 
 DTYPE_ITEMSIZE = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -67,11 +68,13 @@ def _parse_entry(path: Path, name: str, raw, data_start: int, file_bytes: int) -
     if not isinstance(raw, dict):
         raise StoreError(path, "header entry is not an object", tensor=name)
     dtype = raw.get("dtype")
-    if dtype not in DTYPE_ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
         raise StoreError(
             path, f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_ITEMSIZE)}", tensor=name
         )
     shape = raw.get("shape")
+    if isinstance(shape, list) and len(shape) > MAX_RANK:
+        raise StoreError(path, f"shape has {len(shape)} dimensions; expected at most {MAX_RANK}", tensor=name)
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
     ):
@@ -118,10 +121,17 @@ def read_header(path: str | Path) -> SafetensorsHeader:
             blob = f.read(header_len)
     except OSError as e:
         raise StoreError(path, f"cannot read: {e.strerror or e}") from e
+    # Parsed JSON is far larger than its text (a list of a million zeros costs ~13x): refuse headers
+    # whose lists are out of proportion to their tensors before parsing them.
+    n_tensors = blob.count(b'"data_offsets"')
+    n_items = blob.count(b",")
+    if n_items > 32 * n_tensors + 1024:
+        raise StoreError(path, f"header holds {n_items} list items (shape dimensions, offsets) for {n_tensors} tensors; "
+                               "expected at most 32 per tensor")
     try:
         header = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise StoreError(path, f"header is not valid JSON ({type(e).__name__})") from None
+    except (ValueError, RecursionError) as e:  # includes JSONDecodeError, bad UTF-8, json's integer-size cap
+        raise StoreError(path, f"header is not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(header, dict):
         raise StoreError(path, "header is not a JSON object")
     if _json_depth(header) > 3:

@@ -81,3 +81,18 @@ def test_profile_cli_end_to_end(tiny_dirs, tmp_path):
     assert code == 2 and "--prompts" in err and "not found" in err
     code, _, err = run_cli(["profile"])
     assert code == 2 and "--trace FILE" in err
+
+
+def test_round_records_are_bounded_but_totals_are_not():
+    from runtime.expert_cache import CallStats
+    from runtime.telemetry import Telemetry
+
+    tel = Telemetry([0, 1], max_rounds=10)
+    call = [CallStats(3, 1, 0, 100, 0.5)]
+    for _ in range(50):
+        for layer in (0, 1):
+            tel.on_call(layer, np.array([[1, 2, 3, 4]]), call)
+    s = tel.summary()
+    assert len(tel.rounds) == 10 and s["rounds"] == 50
+    assert s["misses"] == 100 and s["bytes_read"] == 10_000 and tel.totals[0].misses == 50
+    assert tel.summary(exclude=("decode",))["rounds"] == 0
