@@ -24,8 +24,9 @@ Invariants:
   written into ``--out`` (only weights, configs, tokenizer files and the card).
 - Held-out documents are chosen by a seed-independent hash of their path, so every run evaluates on
   the same text.
-- Same ``--seed`` and ``--steps`` give the same step count and data order; with a ``--minutes``
-  budget the step count is derived from the measured step time and recorded in the card.
+- Same ``--seed`` and ``--steps``/``--drafter-steps``/``--shallow-steps`` give the same data order,
+  schedule and step counts. With a ``--minutes`` budget the learning-rate schedule follows elapsed
+  time, so the step count depends on the machine's speed; the card records it.
 - The models are the stock mlx-lm classes; the training forward below calls their modules in the
   order their ``__call__`` does and is checked against ``model(tokens)`` before the card is written.
 
@@ -155,7 +156,6 @@ def split_corpus(docs: list[Document]) -> tuple[list[Document], list[Document]]:
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     """Train a byte-level BPE and save tokenizer.json + tokenizer_config.json into out_dir."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -169,14 +169,26 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=2048,
-    )
-    wrapped.save_pretrained(str(out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    # Written by hand rather than by transformers' save_pretrained, whose output format changes
+    # between major versions (5.x writes a class name 4.x cannot resolve and moves the template).
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(tokenizer.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
+                                            "rstrip": False, "single_word": False, "special": True}
+            for t in SPECIAL_TOKENS
+        },
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return tokenizer
 
 
@@ -289,7 +301,7 @@ def load_balance_loss(router_probs: list, k: int):
     """Switch-Transformer auxiliary loss, E * sum_e f_e * P_e, averaged over layers.
 
     f_e = share of (token, slot) assignments that go to expert e; P_e = mean router probability of e.
-    It is E (its minimum, 1, times E/E) under uniform routing and grows as routing concentrates.
+    It is 1 when routing is uniform and grows towards E as it concentrates on few experts.
     """
     import mlx.core as mx
 
@@ -313,19 +325,18 @@ class TrainResult:
     final_train_loss: float  # mean total loss over the last 20 steps
 
 
-def learning_rate(step: int, n_steps: int, peak: float, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, n_steps - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def learning_rate(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warmup over the first steps, times a cosine from the peak to 10% over the run."""
+    ramp = min(1.0, (step + 1) / warmup)
+    return peak * ramp * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train_model(name, model, loss_fn, stream, args, budget_minutes, fixed_steps, extra_inputs=None) -> TrainResult:
     """Train model in place on random windows of stream with AdamW.
 
-    With fixed_steps the run is exactly that long; otherwise the step count is fixed after the first
-    30 steps from their measured speed so that the cosine schedule ends inside the budget.
+    With fixed_steps the run is exactly that long and the schedule follows the step count. With a
+    time budget the schedule follows elapsed time instead, so the cosine ends when the budget does
+    even when other work on the machine changes the speed mid-run (the step count is recorded).
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -344,43 +355,32 @@ def train_model(name, model, loss_fn, stream, args, budget_minutes, fixed_steps,
         return loss, parts, grad_norm
 
     n_tokens_per_step = args.batch * args.seq_len
-    n_steps = fixed_steps or 10**9
     budget_s = budget_minutes * 60.0
     losses = []
     start = time.perf_counter()
-    timing_start = None
     s = 0
-    while s < n_steps:
+    while True:
+        elapsed = time.perf_counter() - start
+        progress = s / fixed_steps if fixed_steps else elapsed / budget_s
+        if progress >= 1.0:
+            break
         starts = rng.integers(0, len(stream) - args.seq_len - 1, size=args.batch)
         window = np.stack([stream[i: i + args.seq_len + 1] for i in starts])
         inputs, targets = mx.array(window[:, :-1]), mx.array(window[:, 1:])
         extra = extra_inputs(inputs) if extra_inputs else ()
-        optimizer.learning_rate = learning_rate(s, n_steps if fixed_steps else max(n_steps, 1000),
-                                                args.lr, args.warmup)
+        optimizer.learning_rate = learning_rate(s, progress, args.lr, args.warmup)
         loss, parts, grad_norm = step(inputs, targets, *extra)
         mx.eval(loss, parts, grad_norm)
         losses.append(loss.item())
         s += 1
-        elapsed = time.perf_counter() - start
-        if not fixed_steps:
-            # The first steps include compilation; time steps 10..30 to size the run.
-            if s == 10:
-                timing_start = elapsed
-            elif s == 30:
-                per_step = (elapsed - timing_start) / 20
-                n_steps = max(60, int((budget_s - elapsed) / per_step) + s)
-                print(f"[{name}] {per_step * 1000:.0f} ms/step -> {n_steps} steps in {budget_minutes:g} min",
-                      flush=True)
-            elif s > 30 and elapsed > 1.15 * budget_s:
-                # Other work on the machine slowed us down: stop rather than overrun the budget.
-                print(f"[{name}] budget exceeded, stopping at step {s}/{n_steps}", flush=True)
-                break
-        if s % args.log_every == 0 or s == n_steps:
+        if s % args.log_every == 0:
+            elapsed = time.perf_counter() - start
             parts_text = " ".join(f"{k}={v.item():.3f}" for k, v in parts.items())
-            print(f"[{name}] step {s}/{n_steps if n_steps < 10**9 else '?'} loss={np.mean(losses[-args.log_every:]):.3f} "
+            print(f"[{name}] step {s} ({100 * progress:.0f}%) loss={np.mean(losses[-args.log_every:]):.3f} "
                   f"{parts_text} |g|={grad_norm.item():.2f} lr={optimizer.learning_rate.item():.2e} "
                   f"{s * n_tokens_per_step / elapsed:.0f} tok/s {elapsed / 60:.1f} min", flush=True)
     seconds = time.perf_counter() - start
+    print(f"[{name}] {s} steps, {s * n_tokens_per_step / 1e6:.2f}M tokens in {seconds / 60:.1f} min", flush=True)
     return TrainResult(s, s * n_tokens_per_step, seconds, float(np.mean(losses[-20:])))
 
 
@@ -450,9 +450,8 @@ def routing_trace(model, windows: np.ndarray, k: int, batch: int = 8) -> np.ndar
     return np.concatenate(per_batch, axis=1)
 
 
-def _overlap(onehot: np.ndarray, d: int) -> float:
+def _overlap(onehot: np.ndarray, d: int, k: int) -> float:
     """Mean |E_t ∩ E_t+d| / k within each sequence; onehot is (..., seq, positions, E)."""
-    k = onehot[..., 0, 0, :].sum(-1).max()
     return float((onehot[..., :-d, :] & onehot[..., d:, :]).sum(-1).mean() / k)
 
 
@@ -466,7 +465,17 @@ def _unique_in_window(onehot: np.ndarray, width: int) -> float:
 
 
 def routing_stats(choices: np.ndarray, n_experts: int, seed: int) -> dict:
-    """Locality and popularity of teacher-forced routing; see the card's field comments."""
+    """Locality and popularity of teacher-forced routing (choices: layers, seqs, positions, k).
+
+    overlap[dN]                      mean |E_t ∩ E_t+N| / k over positions and layers
+    overlap_independent[dN]          same after a global shuffle of each layer's token positions
+    overlap_within_sequence_shuffle  same after shuffling positions inside each sequence
+    overlap_d1_per_layer             overlap[d1] for each layer, first to last
+    unique_experts_in_4_tokens       distinct experts used by 4 consecutive tokens (a verify window):
+                                     measured, after the global shuffle, and for uniform routing
+    popularity_max_over_uniform      per layer: tokens of its most used expert / (tokens * k / E)
+    unused_experts                   experts no held-out token was routed to (total, per layer)
+    """
     n_layers, n_seqs, n_positions, k = choices.shape
     onehot = np.zeros((n_layers, n_seqs, n_positions, n_experts), dtype=bool)
     np.put_along_axis(onehot, choices, True, axis=-1)
@@ -487,10 +496,10 @@ def routing_stats(choices: np.ndarray, n_experts: int, seed: int) -> dict:
     ratio = counts.max(axis=1) / uniform
     return {
         "n_tokens": int(n_seqs * n_positions),
-        "overlap": {f"d{d}": round(_overlap(onehot, d), 4) for d in range(1, 5)},
-        "overlap_independent": {f"d{d}": round(_overlap(global_shuffle, d), 4) for d in range(1, 5)},
-        "overlap_within_sequence_shuffle": {f"d{d}": round(_overlap(seq_shuffle, d), 4) for d in range(1, 5)},
-        "overlap_d1_per_layer": [round(_overlap(onehot[l], 1), 4) for l in range(n_layers)],
+        "overlap": {f"d{d}": round(_overlap(onehot, d, k), 4) for d in range(1, 5)},
+        "overlap_independent": {f"d{d}": round(_overlap(global_shuffle, d, k), 4) for d in range(1, 5)},
+        "overlap_within_sequence_shuffle": {f"d{d}": round(_overlap(seq_shuffle, d, k), 4) for d in range(1, 5)},
+        "overlap_d1_per_layer": [round(_overlap(onehot[l], 1, k), 4) for l in range(n_layers)],
         "unique_experts_in_4_tokens": {
             "measured": round(_unique_in_window(onehot, 4), 3),
             "independent": round(_unique_in_window(global_shuffle, 4), 3),
@@ -506,43 +515,43 @@ def routing_stats(choices: np.ndarray, n_experts: int, seed: int) -> dict:
 
 
 def greedy_acceptance(target, drafter, prompts: list[np.ndarray], n_new: int, n_draft: int) -> dict:
-    """Greedy speculative decoding without caches: drafter proposes n_draft tokens, target verifies.
+    """Greedy draft acceptance measured with mlx-lm's own speculative decoding (KV caches, trimming).
 
-    Each round the target runs once on context + drafts; the longest prefix of drafts equal to the
-    target's own greedy choices is accepted, then the target's next token is appended (so a round
-    yields accepted + 1 tokens). Also checks that the output equals plain target greedy decoding.
+    Each round the drafter proposes min(n_draft, tokens left) tokens; the target checks them in one
+    forward, the longest prefix equal to its greedy choices is accepted and the target's own next
+    token follows (so a round yields accepted + 1 tokens, except where max_tokens cuts it). The
+    output is also compared with plain greedy decoding of the target.
     """
+    from mlx_lm.generate import generate_step, speculative_generate_step
     import mlx.core as mx
 
-    def argmax_last(model, seq, n_last):
-        return np.asarray(mx.argmax(model(mx.array(seq)[None])[0, -n_last:], axis=-1)).tolist()
-
-    n_rounds, n_accepted, lossless, generated = 0, 0, True, []
+    n_rounds = n_proposed = n_accepted = 0
+    lossless, generated = True, []
     for prompt in prompts:
-        seq = prompt.tolist()
-        while len(seq) - len(prompt) < n_new:
-            drafts = []
-            for _ in range(n_draft):
-                drafts += argmax_last(drafter, seq + drafts, 1)
-            verified = argmax_last(target, seq + drafts, n_draft + 1)  # predictions after seq[-1], d1..dK
-            accepted = 0
-            while accepted < n_draft and drafts[accepted] == verified[accepted]:
-                accepted += 1
-            seq += drafts[:accepted] + [verified[accepted]]
+        steps = speculative_generate_step(mx.array(prompt), target, drafter,
+                                          num_draft_tokens=n_draft, max_tokens=n_new)
+        tokens, from_draft = zip(*[(int(t), bool(d)) for t, _, d in steps])
+        i = 0
+        while i < len(tokens):  # a round: a run of accepted drafts, then one target token
             n_rounds += 1
-            n_accepted += accepted
-        reference = prompt.tolist()
-        while len(reference) < len(seq):
-            reference += argmax_last(target, reference, 1)
-        lossless &= reference == seq
-        generated += seq[len(prompt):]
+            n_proposed += min(n_draft, n_new - i)
+            j = i
+            while j < len(tokens) and from_draft[j]:
+                j += 1
+            n_accepted += j - i
+            i = j + 1
+        reference = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=n_new)]
+        lossless &= reference == list(tokens)
+        generated += tokens
     return {
         "n_draft": n_draft,
         "n_prompts": len(prompts),
+        "n_new_tokens_per_prompt": n_new,
         "n_rounds": n_rounds,
         "accepted_per_round": round(n_accepted / n_rounds, 3),
-        "tokens_per_target_forward": round((n_accepted + n_rounds) / n_rounds, 3),
-        "acceptance_rate": round(n_accepted / (n_rounds * n_draft), 3),
+        "tokens_per_target_forward": round(len(generated) / n_rounds, 3),
+        "acceptance_rate": round(n_accepted / n_proposed, 3),
+        # Small models loop under greedy decoding; a low share here means inflated acceptance.
         "distinct_token_fraction": round(len(set(generated)) / len(generated), 3),
         "matches_target_greedy": bool(lossless),
     }
@@ -584,9 +593,8 @@ def quantize_and_save(model, config: dict, tokenizer_dir: Path, out_dir: Path, d
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(out_dir, model)
     save_config(config, out_dir / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out_dir / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
     return config
 
 
@@ -603,16 +611,31 @@ def model_summary(config: dict, model) -> dict:
     return summary
 
 
+def print_summary(card: dict) -> None:
+    """Fixed-width table of the card's headline numbers."""
+    print(f"{'model':<16} {'steps':>6} {'MB':>5} {'CE lit':>7} {'CE pydoc':>8} {'accept':>7} {'tok/fwd':>7}")
+    for name, entry in card["models"].items():
+        acceptance = entry.get("greedy_acceptance", {})
+        print(f"{name:<16} {entry['training']['n_steps']:>6} {entry['bytes'] / 1e6:>5.2f} "
+              f"{entry['heldout_ce']['literature']:>7.3f} {entry['heldout_ce']['pydoc']:>8.3f} "
+              f"{acceptance.get('acceptance_rate', float('nan')):>7.3f} "
+              f"{acceptance.get('tokens_per_target_forward', float('nan')):>7.3f}")
+    routing = card["routing"]
+    print("routing overlap d1..d4: " + " ".join(f"{v:.3f}" for v in routing["overlap"].values())
+          + f" | independent {routing['overlap_independent']['d1']:.3f}"
+          + f" | within-sequence shuffle {routing['overlap_within_sequence_shuffle']['d1']:.3f}")
+
+
 # --------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="output dir: target/, drafter/, drafter_shallow/, card.json")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache/specmoe/train_tiny",
-                   help="scratch dir: sdist cache, tokenizer, float checkpoints (never shipped)")
+                   help="scratch dir: sdist cache and tokenizer (never shipped)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--minutes", type=float, default=14.0, help="training budget of the target")
-    p.add_argument("--drafter-minutes", type=float, default=7.0, help="budget of the full-depth drafter")
+    p.add_argument("--minutes", type=float, default=13.0, help="training budget of the target")
+    p.add_argument("--drafter-minutes", type=float, default=8.0, help="budget of the full-depth drafter")
     p.add_argument("--shallow-minutes", type=float, default=3.0, help="budget of the shallow drafter (0: none)")
     p.add_argument("--steps", type=int, default=0, help="fixed target step count (overrides --minutes)")
     p.add_argument("--drafter-steps", type=int, default=0, help="fixed drafter step count")
@@ -632,7 +655,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--lb-coef", type=float, default=1e-3, help="load-balancing loss weight")
     p.add_argument("--distill-weight", type=float, default=0.5, help="KL share of the drafter loss")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+    # float32 by default: on the linux CPU backend a bf16 4-bit model runs 3-7x slower (fp16 worse),
+    # and this pair exists for CPU tests and benches. mlx-community ships bf16 (--dtype bfloat16).
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the saved non-quantized tensors and quantization scales")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--no-openblas", action="store_true", help="do not preload Debian's OpenBLAS")
@@ -685,8 +710,10 @@ def main(argv=None) -> dict:
           f"train {len(train_stream) / 1e6:.2f}M tokens, held-out windows {heldout_all.shape}", flush=True)
 
     def eval_ce(model) -> dict:
-        return {source: round(heldout_ce(model, w), 4) for source, w in heldout.items()} | {
-            "all": round(heldout_ce(model, heldout_all), 4)}
+        per_source = {source: heldout_ce(model, w) for source, w in heldout.items()}
+        # Both sources have the same number of equal windows, so the plain mean is the token mean.
+        per_source["all"] = float(np.mean(list(per_source.values())))
+        return {k: round(v, 4) for k, v in per_source.items()}
 
     # 3. target -------------------------------------------------------------------------------
     t_config = target_config(args, vocab_size, eos_id)
@@ -727,6 +754,7 @@ def main(argv=None) -> dict:
         quantize_and_save(model, config, tok_dir, out / name, args.dtype)
 
     # 6. measure the shipped (quantized) checkpoints ----------------------------------------------
+    print(f"measuring the saved checkpoints ({(time.perf_counter() - wall_start) / 60:.1f} min so far)", flush=True)
     q_target, q_tokenizer = mlx_load(str(out / "target"))
     stock_logits = q_target(mx.array(heldout_all[:2]))
     walked_logits, _ = forward_with_routing(q_target, mx.array(heldout_all[:2]))
@@ -740,14 +768,17 @@ def main(argv=None) -> dict:
     def probe_ce(model) -> list[float]:
         return [round(heldout_ce(model, np.asarray([ids])), 4) for ids in probe_ids]
 
+    def n_bytes(name: str) -> int:
+        return sum(f.stat().st_size for f in (out / name).iterdir())
+
     models_card = {"target": {
-        "path": "target", "config": summaries["target"], "training": asdict(target_run),
+        "path": "target", "bytes": n_bytes("target"), "config": summaries["target"], "training": asdict(target_run),
         "heldout_ce_float32": target_fp_ce, "heldout_ce": eval_ce(q_target), "probe_ce": probe_ce(q_target),
     }}
     for name in drafter_models:
         q_drafter, _ = mlx_load(str(out / name))
         models_card[name] = {
-            "path": name, "config": summaries[name], "training": asdict(drafter_runs[name]),
+            "path": name, "bytes": n_bytes(name), "config": summaries[name], "training": asdict(drafter_runs[name]),
             "heldout_ce_float32": drafter_fp_ce[name], "heldout_ce": eval_ce(q_drafter),
             "probe_ce": probe_ce(q_drafter),
             "top1_agreement_with_target": round(top1_agreement(q_target, q_drafter, heldout_all), 4),
@@ -789,6 +820,7 @@ def main(argv=None) -> dict:
         "total_bytes": total_bytes,
     }
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print_summary(card)
     print(f"done in {card['wall_time_minutes']} min; {total_bytes / 1e6:.2f} MB in {out}", flush=True)
     print(json.dumps(card))
     return card
