@@ -41,7 +41,9 @@ VARIANTS = ["no-spec", "none", "previous", "spmoe", "oracle"]
 def run_variant(target: Path, draft: Path, variant: str, budget: str, args) -> dict:
     tps, misses, mb, tokens, acc, recall, tpv = [], 0, 0.0, 0, [], [], []
     for prompt in PROMPTS:
-        om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=args.io_mode, threads=args.threads))
+        inject = f"slow:ms={args.emulate_read_ms}" if args.emulate_read_ms else ""
+        om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=args.io_mode, threads=args.threads,
+                                                       inject=inject))
         try:
             ids = list(om.tokenizer.encode(prompt))
             if variant == "no-spec":
@@ -81,6 +83,9 @@ def main() -> None:
     ap.add_argument("--cutoff", type=int, default=None)
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"])
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--emulate-read-ms", type=float, default=0.0,
+                    help="add this latency to every expert read (emulates an SSD slower than this machine's; "
+                         "results are then labelled emulated)")
     args = ap.parse_args()
     pair = embedded_pair()
     target, draft = args.model or pair.target, args.draft or pair.drafter
@@ -90,7 +95,8 @@ def main() -> None:
         for variant in VARIANTS:
             results[f"{budget} {variant}"] = run_variant(target, draft, variant, budget, args)
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, "
-          f"K={args.num_draft}, io={args.io_mode}; tok/s is the median over prompts")
+          f"K={args.num_draft}, io={args.io_mode}; tok/s is the median over prompts"
+          + (f"; EMULATED read latency +{args.emulate_read_ms} ms per expert" if args.emulate_read_ms else ""))
     print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec':>12}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}{'recall':>8}")
     for key, r in results.items():
         base = results[f"{key.split()[0]} no-spec"]["tokens_per_s"]
@@ -99,7 +105,8 @@ def main() -> None:
               f"{r['mb_read_per_token']:>9.3f}{fmt(r['acceptance'], '{:.0%}'):>8}{fmt(r['tokens_per_verify'], '{:.2f}'):>11}"
               f"{fmt(r['recall'], '{:.2f}'):>8}")
     print(json.dumps({"bench": "speculative", "target": str(target), "draft": str(draft), "num_draft": args.num_draft,
-                      "io_mode": args.io_mode, "tokens": args.tokens, "results": results}))
+                      "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
+                      "results": results}))
 
 
 if __name__ == "__main__":
