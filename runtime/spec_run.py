@@ -29,7 +29,7 @@ def run_speculative(om, draft_dir: Path, ids: list[int], *, max_tokens: int, num
         SpeculativeDecoder(om, make_drafter(draft_model, "none"), recorder, rec_cfg).generate(ids, max_tokens, eos_ids)
         recording = recorder.rounds
     pred = build_predictor(predictor, om, draft_model, draft_config, projection=projection, recording=recording)
-    drafter = make_drafter(draft_model, predictor)
+    drafter = make_drafter(draft_model, predictor if cutoff != 0 else "none")
     try:
         decoder = SpeculativeDecoder(om, drafter, pred, cfg)
         tokens = decoder.generate(ids, max_tokens, eos_ids, on_token)

@@ -126,7 +126,8 @@ class SpeculativeDecoder:
         if cutoff > len(moe):
             raise ValueError(f"--cutoff {cutoff} is beyond the model's {len(moe)} MoE layers; expected 0..{len(moe)}")
         self.prefetch_layers = moe[:cutoff]
-        self.forecast_layers = moe  # forecast everywhere so recall is known beyond the cutoff
+        # Forecasts cost drafter-side compute every draft step: make them only for layers we prefetch.
+        self.forecast_layers = self.prefetch_layers
         self.cache = make_prompt_cache(target.model)
         self.rng = np.random.default_rng(cfg.seed)
         self.stats = SpecStats(per_layer={l: ForecastScore() for l in moe})
@@ -138,9 +139,9 @@ class SpeculativeDecoder:
 
     # -- phases ------------------------------------------------------------------------
     def _forecast_and_prefetch(self, taps: DraftTaps) -> None:
-        self._forecast = self.predictor.forecast(taps, self.forecast_layers)
-        if not self.prefetch_layers:
+        if not self.forecast_layers:
             return
+        self._forecast = self.predictor.forecast(taps, self.forecast_layers)
         keys = [ExpertKey(l, int(e)) for l in self.prefetch_layers for e in self._forecast.experts(l)]
         new = [k for k in keys if k not in self._queued]
         if not new:
@@ -183,6 +184,8 @@ class SpeculativeDecoder:
 
     def _score_forecast(self) -> None:
         for l, ids in self._routing.items():
+            if l not in self.forecast_layers:
+                continue
             actual = set(np.unique(ids).tolist())
             forecast = set(self._forecast.experts(l).tolist())
             s = self.stats.per_layer[l]
