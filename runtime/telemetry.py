@@ -49,7 +49,7 @@ class RoundRecord:
 
 
 class Telemetry:
-    def __init__(self, moe_layers: list[int], *, keep_rounds: bool = True, trace: bool = False, max_rounds: int = 4096):
+    def __init__(self, moe_layers: list[int], *, keep_rounds: bool = True, trace: bool = False, max_rounds: int = 1024):
         self.moe_layers = list(moe_layers)
         self.keep_rounds = keep_rounds  # keep recent per-round records
         self.tracing = trace  # collect routing for a trace (grows with the run, by design)

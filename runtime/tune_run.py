@@ -4,7 +4,8 @@ Stages (each measured on the same prompts with fresh caches):
 1. baseline: K=3, prefetch off — gives the drafting time per round and the
    per-expert load time the analytic bound needs;
 2. cutoffs 0..bound with spmoe (coarse grid, then refined around the best);
-3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LFU.
+3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LFU;
+6. the three fastest settings measured twice more, interleaved (their median counts).
 tuner.choose() picks from everything measured.
 """
 
@@ -20,7 +21,9 @@ from runtime.profile_run import read_prompts
 from runtime.report import console, err_console, write_json
 from runtime.routing_math import uniform_unique_experts
 from runtime.sweep_run import SettingRunner, Workload
-from runtime.tuner import Setting, analytic_cutoff_bound, choose, cutoff_grid, refine, save_tuning, tuning_key
+from runtime.tuner import (
+    Setting, analytic_cutoff_bound, choose, cutoff_grid, median_measurement, refine, save_tuning, tuning_key,
+)
 
 
 def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens: int, io_mode: str, threads: int,
@@ -62,6 +65,16 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
                 run(Setting(best.cutoff, p, best.num_draft, "lru"))
         best = choose(measured).setting
         run(Setting(best.cutoff, best.predictor, best.num_draft, "lfu"))
+        # One pass per setting is noisy on a shared machine: measure the finalists again, interleaved,
+        # and decide on the median of all their passes.
+        finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]
+        passes = {s: [m for m in measured if m.setting == s] for s in finalists}
+        for _ in range(2):
+            for s in finalists:
+                bar.update(task, description=f"re-measuring L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
+                passes[s].append(runner.measure(s)[0])
+        for s, ms in passes.items():
+            measured = [m for m in measured if m.setting != s] + [median_measurement(ms)]
     choice = choose(measured)
     key = tuning_key(runner.model_id["digest"], config_digest(runner.draft_config), budget)
     path = save_tuning(model, key, choice, measured)

@@ -55,6 +55,16 @@ class Choice:
     reason: str  # one line: why this one
 
 
+def median_measurement(ms: list[Measurement]) -> Measurement:
+    """Several passes of one setting -> one measurement (medians field by field)."""
+    import statistics
+
+    if not ms or len({m.setting for m in ms}) != 1:
+        raise ValueError("median_measurement needs passes of exactly one setting")
+    fields = ("tokens_per_s", "misses_per_token", "prefetch_used_mb", "prefetch_wasted_mb", "recall", "acceptance")
+    return Measurement(ms[0].setting, *(statistics.median(getattr(m, f) for m in ms) for f in fields))
+
+
 def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
     if not measurements:
         raise ValueError("the tuner needs at least one measurement")

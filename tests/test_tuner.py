@@ -71,3 +71,12 @@ def test_tuning_file_keyed_and_stale_entries_ignored(tmp_path):
     assert load_tuning(tmp_path, key) == (None, f"{tmp_path / 'tuning.json'}: not a valid tuning file; ignored")
     save_tuning(tmp_path, key, c, [c.measurement])  # a damaged file is replaced
     assert json.loads((tmp_path / "tuning.json").read_text())["entries"][0]["setting"]["cutoff"] == 3
+
+
+def test_median_of_passes():
+    from runtime.tuner import median_measurement
+
+    m = median_measurement([_m(2, 10.0), _m(2, 14.0), _m(2, 11.0)])
+    assert m.tokens_per_s == 11.0 and m.setting.cutoff == 2
+    with pytest.raises(ValueError):
+        median_measurement([_m(2, 10.0), _m(3, 10.0)])
