@@ -38,6 +38,23 @@ def tiny_qwen(tmp_path) -> Path:
     return make_tiny(tmp_path / "ckpt", "qwen3_moe", seed=2, **TINY)
 
 
+@pytest.fixture()
+def store(packed_dirs):
+    """The packed qwen3_moe store, opened for one test."""
+    from storage import ExpertStore
+
+    s = ExpertStore.open(packed_dirs["qwen3_moe"])
+    yield s
+    s.close()
+
+
+def expert_views(store, layer: int) -> list:
+    """Zeroed buffers for one expert of `layer`, one per layout tensor."""
+    import numpy as np
+
+    return [np.zeros(t.nbytes, np.uint8) for t in store.layout(layer).tensors]
+
+
 def greedy_ids(model, prompt_ids: list[int], n: int = N_TOKENS) -> list[int]:
     out = []
     for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n):

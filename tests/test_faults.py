@@ -21,6 +21,7 @@ import pytest
 
 from runtime.expert_cache import ExpertCache
 from runtime.slot_table import VALID
+from tests.conftest import expert_views as _views
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.faults import FaultSpec, FaultyReader, parse_faults
 from storage.reader import RangeReader
@@ -215,15 +216,6 @@ def test_cli_inject_is_hidden_and_errors_are_one_line(packed_dirs):
 
 
 # -- the reader wrapper ----------------------------------------------------------------------
-@pytest.fixture()
-def store(packed_dirs):
-    s = ExpertStore.open(packed_dirs["qwen3_moe"])
-    yield s
-    s.close()
-
-
-def _views(store, layer):
-    return [np.zeros(t.nbytes, np.uint8) for t in store.layout(layer).tensors]
 
 
 def _bytes(views) -> bytes:

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.conftest import expert_views as _views
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.loader import DEMAND, PREFETCH
 from storage.reader import RangeReader, drop_page_cache
@@ -43,15 +44,6 @@ class FlakyReader(RangeReader):
         return super().read(path, offset, buffers)
 
 
-@pytest.fixture()
-def store(packed_dirs):
-    s = ExpertStore.open(packed_dirs["qwen3_moe"])
-    yield s
-    s.close()
-
-
-def _views(store, layer):
-    return [np.zeros(t.nbytes, np.uint8) for t in store.layout(layer).tensors]
 
 
 def _expected(store, key):
