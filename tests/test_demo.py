@@ -1,0 +1,20 @@
+"""`specmoe demo` end to end on the embedded pair, at a reduced length (the README's demo command)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+
+def test_demo_runs_three_ways_with_identical_output(tmp_path):
+    out = tmp_path / "demo.json"
+    code, stdout, err = run_cli(["demo", "-n", "8", "--json", str(out)])
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert result["identical_outputs"] is True and len(result["tokens"]) == 8
+    assert [r["variant"] for r in result["rows"]] == ["plain", "spec, no prefetch", "spec + spmoe prefetch"]
+    assert 0.3 < result["cache_fraction"] < 0.5  # ~40% of the experts
+    spec = result["rows"][1]
+    assert spec["acceptance"] is not None and spec["unique_per_layer_per_verify"] <= spec["pairs_per_layer_per_verify"]
+    assert "outputs identical: yes" in stdout
