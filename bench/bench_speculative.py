@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from runtime.embedded import embedded_pair  # noqa: E402
 from runtime.generation import generate_tokens  # noqa: E402
 from runtime.offloaded_model import OffloadConfig, OffloadedModel  # noqa: E402
 from runtime.spec_run import run_speculative  # noqa: E402
+from storage.packer import convert  # noqa: E402
 
 PROMPTS = [
     "To be, or not to be, that is the question:",
@@ -40,6 +42,7 @@ VARIANTS = ["no-spec", "none", "previous", "spmoe", "oracle"]
 
 def run_variant(target: Path, draft: Path, variant: str, budget: str, args) -> dict:
     tps, misses, mb, tokens, acc, recall, tpv = [], 0, 0.0, 0, [], [], []
+    precision, size, one_sync = [], [], []
     for prompt in PROMPTS:
         inject = f"slow:ms={args.emulate_read_ms}" if args.emulate_read_ms else ""
         om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=args.io_mode, threads=args.threads,
@@ -56,13 +59,18 @@ def run_variant(target: Path, draft: Path, variant: str, budget: str, args) -> d
                 t0 = time.perf_counter()
                 out, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
                                                      predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
-                                                     draft_config=dconfig)
+                                                     draft_config=dconfig, optimistic=args.optimistic,
+                                                     forecast_k=args.forecast_k, forecast_limit=args.forecast_limit)
                 n = stats.n_tokens
                 tps.append(stats.n_tokens / stats.decode_s)
                 c = stats.counters
                 acc.append(stats.acceptance)
                 tpv.append(stats.tokens_per_verify)
                 recall.append(stats.recall(layers or None))
+                precision.append(stats.precision(layers or None))
+                forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
+                size.append(forecast / max(1, stats.n_rounds * len(layers)))
+                one_sync.append((stats.optimistic_tries - stats.optimistic_fallbacks) / max(1, stats.n_rounds))
             misses += c["misses"]
             mb += c["bytes_read"] / 1e6
             tokens += n
@@ -70,7 +78,10 @@ def run_variant(target: Path, draft: Path, variant: str, budget: str, args) -> d
             om.close()
     return {"tokens_per_s": statistics.median(tps), "misses_per_token": misses / tokens, "mb_read_per_token": mb / tokens,
             "acceptance": statistics.mean(acc) if acc else None, "tokens_per_verify": statistics.mean(tpv) if tpv else None,
-            "recall": statistics.mean(recall) if recall else None}
+            "recall": statistics.mean(recall) if recall else None,
+            "precision": statistics.mean(precision) if precision else None,
+            "forecast_per_layer": statistics.mean(size) if size else None,
+            "one_sync_share": statistics.mean(one_sync) if one_sync else None}
 
 
 def main() -> None:
@@ -82,31 +93,51 @@ def main() -> None:
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--cutoff", type=int, default=None)
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"])
+    ap.add_argument("--raw", action="store_true",
+                    help="read the mlx-lm checkpoint directly (several reads per expert) instead of a packed "
+                         "store made by `specmoe convert` in a temporary directory (one read per expert)")
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--optimistic", default="auto", choices=["auto", "on", "off"],
+                    help="one-sync verify when the window's experts are resident (runtime/optimistic.py)")
+    ap.add_argument("--forecast-k", type=int, default=None, help="experts spmoe takes per window token (default k)")
+    ap.add_argument("--forecast-limit", type=int, default=None,
+                    help="experts forecast per layer per round at most (default 2k)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
                          "results are then labelled emulated)")
     args = ap.parse_args()
     pair = embedded_pair()
     target, draft = args.model or pair.target, args.draft or pair.drafter
+    scratch = None
+    if not args.raw:
+        scratch = tempfile.TemporaryDirectory(prefix="specmoe-bench-")
+        source, target = target, convert(target, Path(scratch.name) / target.name)
 
     results = {}
     for budget in args.budgets.split(","):
-        for variant in VARIANTS:
+        for variant in args.variants.split(","):
             results[f"{budget} {variant}"] = run_variant(target, draft, variant, budget, args)
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, "
-          f"K={args.num_draft}, io={args.io_mode}; tok/s is the median over prompts"
+          f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}; tok/s is the median over prompts"
           + (f"; EMULATED read latency +{args.emulate_read_ms} ms per expert" if args.emulate_read_ms else ""))
-    print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec':>12}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}{'recall':>8}")
+    print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec':>12}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
+          f"{'recall':>8}{'precis.':>8}{'fc/layer':>9}{'1-sync':>8}")
     for key, r in results.items():
-        base = results[f"{key.split()[0]} no-spec"]["tokens_per_s"]
+        base = results.get(f"{key.split()[0]} no-spec", {}).get("tokens_per_s")
         fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
-        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{r['tokens_per_s'] / base:>12.2f}{r['misses_per_token']:>12.2f}"
+        ratio = r["tokens_per_s"] / base if base else None
+        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{fmt(ratio, '{:.2f}'):>12}{r['misses_per_token']:>12.2f}"
               f"{r['mb_read_per_token']:>9.3f}{fmt(r['acceptance'], '{:.0%}'):>8}{fmt(r['tokens_per_verify'], '{:.2f}'):>11}"
-              f"{fmt(r['recall'], '{:.2f}'):>8}")
-    print(json.dumps({"bench": "speculative", "target": str(target), "draft": str(draft), "num_draft": args.num_draft,
+              f"{fmt(r['recall'], '{:.2f}'):>8}{fmt(r['precision'], '{:.2f}'):>8}"
+              f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}")
+    print(json.dumps({"bench": "speculative", "target": str(source if scratch else target), "packed": not args.raw, "draft": str(draft), "num_draft": args.num_draft,
                       "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
+                      "optimistic": args.optimistic, "forecast_k": args.forecast_k,
+                      "forecast_limit": args.forecast_limit,
                       "results": results}))
+    if scratch is not None:
+        scratch.cleanup()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ For each target layer t: H = drafter residual at layer m(t) for every window tok
 (T, D_d) -> optional projection (T, D_t) -> target post-attention norm -> target
 gate -> softmax (T, E). Each token contributes its top-k' experts; the union is
 ranked by summed probability. All layers are computed in one MLX graph and read
-back once per call.
+back once per call; tokens already routed in this round (the same taps object)
+are not routed again.
 """
 
 from __future__ import annotations
@@ -42,21 +43,29 @@ class SpmoePredictor:
         self.projections = projections
         self.limit = limit  # experts per layer at most after the union (None: the whole union)
         self.source = source
+        self._round_taps: DraftTaps | None = None  # the taps whose tokens self._probs holds
+        self._layers: list[int] = []
+        self._probs: list[np.ndarray] = []  # per routed token: (layers, E) router probabilities
 
     def forecast(self, taps: DraftTaps, layers: list[int]) -> ExpertForecast:
         per_token = taps.residual if self.source == "residual" else taps.attention
         layers = [l for l in layers if l in self.routers]
         if not per_token or not layers:
             return ExpertForecast.empty()
-        probs = []
-        for l in layers:
-            m = self.layer_map[l]
-            h = mx.stack([tok[m].reshape(-1) for tok in per_token])  # (T, D_d)
-            if self.projections is not None:
-                h = self.projections.apply(l, h)
-            r = self.routers[l]
-            probs.append(mx.softmax(r.gate(r.norm(h.astype(mx.float32))).astype(mx.float32), axis=-1))
-        all_probs = np.array(mx.stack(probs))  # one host read: (layers, T, E)
+        # Called after every draft step with the round's growing taps: route only the new tokens.
+        if self._round_taps is not taps or self._layers != layers:
+            self._round_taps, self._layers, self._probs = taps, layers, []
+        new = per_token[len(self._probs):]
+        if new:
+            probs = []
+            for l in layers:
+                h = mx.stack([tok[self.layer_map[l]].reshape(-1) for tok in new])  # (T_new, D_d)
+                if self.projections is not None:
+                    h = self.projections.apply(l, h)
+                r = self.routers[l]
+                probs.append(mx.softmax(r.gate(r.norm(h.astype(mx.float32))).astype(mx.float32), axis=-1))
+            self._probs += list(np.array(mx.stack(probs)).swapaxes(0, 1))  # one host read; per token (layers, E)
+        all_probs = np.stack(self._probs, axis=1)  # (layers, T, E)
         out = {}
         k = min(self.top_k, all_probs.shape[-1])
         for l, p in zip(layers, all_probs):

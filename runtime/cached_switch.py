@@ -12,7 +12,8 @@ Invariants:
   evaluated and its slots unpinned (so eviction never races a pending graph).
 - A call whose unique experts exceed the usable slots is split into token groups
   that each fit; each group is evaluated before the next one may evict its slots.
-- Round one reads the router's choice back to the host once per MoE layer.
+- A normal call reads the router's choice back to the host (one sync per MoE layer);
+  inside an OptimisticPass the lookup happens on the device and the pass syncs once.
 - Calls of several tokens go through metal.dedup_switch_glu (each unique expert's
   weights read once per window: a Metal kernel where it is self-checked, else the
   exact reference), single tokens through the stock SwitchGLU.
@@ -74,6 +75,7 @@ class CachedSwitchGLU(nn.Module):
         self.cache = cache
         self.observer = observer  # if set: observer(layer, expert_ids (N, k)) on every call (the decoder's)
         self.telemetry = None  # if set: telemetry.on_call(layer, expert_ids (N, k), [CallStats per group])
+        self.optimistic = None  # an OptimisticPass while one runs: no host sync here (runtime/optimistic.py)
         self.switch = slab_switch_glu(layout, cache.slabs[layer], activation)
         self._pending: list[tuple[mx.array, np.ndarray]] = []
 
@@ -102,6 +104,8 @@ class CachedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         self._release()
+        if self.optimistic is not None:
+            return self.optimistic.layer_call(self, x, indices)
         self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
         ids = np.array(indices)  # host sync: which experts this call needs
         if self.observer is not None:

@@ -32,7 +32,8 @@ def spec_line(stats, prefetch_layers) -> str:
             f"{stats.tokens_per_verify:.2f} tokens/verify | hit rate {c['hits'] / max(1, c['hits'] + c['misses']):.1%} | "
             f"{c['misses'] / n:.2f} misses/token | {expert_bytes / 1e6 / n:.3f} MB read/token | "
             f"prefetch used {c['prefetch_hits']} / wasted {c['prefetch_wasted'] + c['prefetch_cancelled']} experts | "
-            f"forecast recall {stats.recall(prefetch_layers or None):.0%}")
+            f"forecast recall {stats.recall(prefetch_layers or None):.0%} | "
+            f"one-sync verifies {stats.optimistic_tries - stats.optimistic_fallbacks}/{stats.n_rounds}")
 
 
 def register(app: typer.Typer) -> None:
@@ -51,6 +52,9 @@ def register(app: typer.Typer) -> None:
         cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, else all)."),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
+        optimistic: str = typer.Option("auto", "--optimistic",
+                                       help="Verify with one host sync when the window's experts are resident: "
+                                            "auto (tries while it mostly succeeds), on, off."),
         policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, else lru)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
@@ -105,7 +109,8 @@ def register(app: typer.Typer) -> None:
                 tokens, stats, prefetch_layers = run_speculative(
                     om, draft, ids, max_tokens=max_tokens, num_draft=num_draft, predictor=predictor, cutoff=cutoff,
                     projection=projection, temp=temp, top_p=top_p, seed=seed, eos_ids=eos, on_token=show,
-                    max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6))
+                    max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
+                    optimistic=optimistic)
                 line, result["stats"] = spec_line(stats, prefetch_layers), stats.to_json()
                 result.update(draft=str(draft), num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy)
             detok.finalize()

@@ -44,8 +44,11 @@ def load_drafter(draft_dir: Path, target) -> tuple[object, dict]:
 
 
 def build_predictor(name: str, target, draft_model, draft_config: dict, *, projection: Path | None = None,
-                    recording=None, limit: int | None = None):
-    """The named predictor for this target/drafter pair."""
+                    recording=None, limit: int | None = None, forecast_k: int | None = None):
+    """The named predictor for this target/drafter pair.
+
+    forecast_k: experts spmoe takes per window token (k'; default the target's k);
+    limit: experts forecast per layer per round at most (default 2k)."""
     routers = lm = proj = None
     if name == "spmoe":
         lm = layer_map(len(target.model.layers), len(draft_model.layers))
@@ -64,7 +67,7 @@ def build_predictor(name: str, target, draft_model, draft_config: dict, *, proje
                 f"run `specmoe calibrate --model {target.store.model_dir} --draft DIR`"
             )
         routers = target.routers()
-    return make_predictor(name, top_k=target.top_k, routers=routers, layer_map=lm, projections=proj,
+    return make_predictor(name, top_k=forecast_k or target.top_k, routers=routers, layer_map=lm, projections=proj,
                           recording=recording, limit=limit or 2 * target.top_k)
 
 

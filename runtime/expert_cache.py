@@ -341,6 +341,55 @@ class ExpertCache:
                     self.table.unpin(layer, pinned)
             raise
 
+    # -- optimistic passes (runtime/optimistic.py) --------------------------------------------
+    def settle_inflight(self) -> float:
+        """Wait for every read in flight or queued (prefetches) so their slots count as
+        resident; returns the ms spent waiting. Failed prefetches are not errors here."""
+        with self._lock:
+            tickets = list(self._tickets.values())
+            for t in tickets:
+                self.loader.promote(t)
+        t0 = time.perf_counter()
+        for t in tickets:
+            try:
+                t.wait()
+            except Exception:
+                pass  # its slot was freed; a call needing the expert reads it again
+        return (time.perf_counter() - t0) * 1e3 if tickets else 0.0
+
+    def freeze_resident(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Pin every valid slot and return, per layer, (expert -> slot or -1 table, pinned slots).
+
+        While frozen no valid slot can be evicted, so a graph built from the tables reads
+        exactly the experts they name; thaw() with the returned value ends it.
+        """
+        out = {}
+        with self._lock:
+            for layer, ls in self.table.layers.items():
+                valid = np.flatnonzero(ls.state == VALID)
+                self.table.pin(layer, valid)
+                table = np.full(ls.expert_to_slot.shape, -1, np.int32)
+                table[ls.slot_to_expert[valid]] = valid
+                out[layer] = (table, valid)
+        return out
+
+    def thaw(self, frozen: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        with self._lock:
+            for layer, (_, pinned) in frozen.items():
+                self.table.unpin(layer, pinned)
+                self._settle_beyond(layer)
+
+    def record_resident_use(self, layer: int, experts: np.ndarray) -> CallStats:
+        """The bookkeeping of a call whose experts (unique ids) were all resident and frozen:
+        hits, recency and prefetch use, as ensure() records them, with nothing read."""
+        with self._lock:
+            ls = self.table.layers[layer]
+            used_before = ls.stats.prefetch_hits
+            present, absent, pinned = self.table.request(layer, experts)
+            self.table.unpin(layer, pinned)
+            assert not absent, "record_resident_use() of an expert that was not resident"
+            return CallStats(len(present), 0, ls.stats.prefetch_hits - used_before, 0, 0.0)
+
     def unpin(self, layer: int, slots) -> None:
         with self._lock:
             self.table.unpin(layer, slots)

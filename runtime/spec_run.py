@@ -16,19 +16,21 @@ from runtime.speculative import SpecConfig, SpeculativeDecoder
 def run_speculative(om, draft_dir: Path, ids: list[int], *, max_tokens: int, num_draft: int, predictor: str,
                     cutoff: int | None, projection: Path | None = None, temp: float = 0.0, top_p: float = 1.0,
                     seed: int = 0, eos_ids=(), on_token=None, max_prefetch_bytes: int | None = None,
-                    draft_model=None, draft_config=None):
+                    draft_model=None, draft_config=None, optimistic: str = "auto", forecast_k: int | None = None,
+                    forecast_limit: int | None = None):
     """Returns (tokens, SpecStats, the MoE layers that were prefetched for)."""
     if draft_model is None:
         draft_model, draft_config = load_drafter(draft_dir, om)
     cfg = SpecConfig(num_draft=num_draft, cutoff=cutoff, temp=temp, top_p=top_p, seed=seed,
-                     max_prefetch_bytes=max_prefetch_bytes)
+                     max_prefetch_bytes=max_prefetch_bytes, optimistic=optimistic)
     recording = None
     if predictor == "oracle":
         recorder = RoutingRecorder()
         rec_cfg = SpecConfig(num_draft=num_draft, cutoff=0, temp=temp, top_p=top_p, seed=seed)
         SpeculativeDecoder(om, make_drafter(draft_model, "none"), recorder, rec_cfg).generate(ids, max_tokens, eos_ids)
         recording = recorder.rounds
-    pred = build_predictor(predictor, om, draft_model, draft_config, projection=projection, recording=recording)
+    pred = build_predictor(predictor, om, draft_model, draft_config, projection=projection, recording=recording,
+                           limit=forecast_limit, forecast_k=forecast_k)
     drafter = make_drafter(draft_model, predictor if cutoff != 0 else "none")
     try:
         decoder = SpeculativeDecoder(om, drafter, pred, cfg)

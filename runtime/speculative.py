@@ -31,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps, ExpertForecast
 from runtime.drafter import ModelDrafter
+from runtime.optimistic import OptimismGate, OptimisticPass
 from runtime.sampling import accept_greedy, accept_sampled, probabilities
 from storage import ExpertKey
 
@@ -44,6 +45,7 @@ class SpecConfig:
     top_p: float = 1.0
     seed: int = 0
     prefill_chunk: int = 512  # prompt tokens per target forward during prefill
+    optimistic: str = "auto"  # verify with one host sync when experts are resident: auto (adaptive), on, off
 
     def __post_init__(self):
         if self.num_draft < 1:
@@ -52,6 +54,8 @@ class SpecConfig:
             raise ValueError(f"--cutoff {self.cutoff}; expected 0 (no prefetch) up to the number of MoE layers")
         if self.temp < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"--temp {self.temp} / --top-p {self.top_p}; expected temp >= 0 and 0 < top_p <= 1")
+        if self.optimistic not in ("auto", "on", "off"):
+            raise ValueError(f"--optimistic {self.optimistic!r}; expected auto, on or off")
 
 
 @dataclass
@@ -79,6 +83,8 @@ class SpecStats:
     draft_s: float = 0.0  # time in draft + forecast + queueing prefetch
     verify_s: float = 0.0  # time in target verify forwards (including demand loads)
     rewind_s: float = 0.0  # time restoring state and re-running accepted tokens
+    optimistic_tries: int = 0  # verify passes tried with one host sync (runtime/optimistic.py)
+    optimistic_fallbacks: int = 0  # of those, passes that met an absent expert and ran again normally
     decode_s: float = 0.0  # wall time of all rounds
     prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
     per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
@@ -136,6 +142,8 @@ class SpeculativeDecoder:
         self._forecast = ExpertForecast.empty()
         self._queued: set[ExpertKey] = set()
         self._round_bytes = 0
+        self._optimistic = OptimisticPass(target) if cfg.optimistic != "off" else None
+        self._gate = OptimismGate() if cfg.optimistic == "auto" else None
 
     # -- phases ------------------------------------------------------------------------
     def _forecast_and_prefetch(self, taps: DraftTaps) -> None:
@@ -160,16 +168,39 @@ class SpeculativeDecoder:
         self.stats.draft_s += time.perf_counter() - t0
         return draft
 
-    def _verify(self, window: list[int]) -> mx.array:
+    def _verify(self, window: list[int], snapshot: list) -> mx.array:
         t0 = time.perf_counter()
         self._routing = {}
         self.target.set_observer(self._observe)
         self.target.label_round("verify")
-        logits = self.target.model(mx.array(window)[None], cache=self.cache)[0]  # (K+1, V)
+        logits = self._forward(window, snapshot, self._gate, count=True)[0]  # (K+1, V)
         self.target.set_observer(None)
         mx.eval(logits)
         self.stats.verify_s += time.perf_counter() - t0
         return logits
+
+    def _forward(self, tokens: list[int], snapshot: list, gate: OptimismGate | None, count: bool) -> mx.array:
+        """The target over `tokens` with one host sync if their experts are resident, else the normal path."""
+        inputs = mx.array(tokens)[None]
+        if self._optimistic is not None and (gate is None or gate.should_try()):
+            out = self._optimistic.run(lambda: self.target.model(inputs, cache=self.cache))
+            if gate is not None:
+                gate.record(out is not None)
+            if count:
+                self.stats.optimistic_tries += 1
+                self.stats.optimistic_fallbacks += out is None
+            if out is not None:
+                return out
+            self._undo(len(tokens), snapshot)
+        return self.target.model(inputs, cache=self.cache)
+
+    def _undo(self, n: int, snapshot: list) -> None:
+        """Drop the last n positions a discarded forward wrote into the caches."""
+        for c, s in zip(self.cache, snapshot):
+            if s is None:
+                c.trim(n)
+            else:
+                c.state = tree_map(lambda x: x, s)  # a copy: caches mutate their state containers in place
 
     def _observe(self, layer: int, ids: np.ndarray) -> None:
         self._routing[layer] = np.concatenate([self._routing[layer], ids]) if layer in self._routing else ids
@@ -202,9 +233,10 @@ class SpeculativeDecoder:
                     if s is None:
                         c.trim(len(window))
                     else:
-                        c.state = s
+                        c.state = tree_map(lambda x: x, s)  # a copy: a failed one-sync rerun restores s again
                 self.target.label_round("rerun")
-                self.target.model(mx.array(window[: n_accepted + 1])[None], cache=self.cache)
+                # The verify pass has just used these tokens' experts: a one-sync pass almost always holds.
+                self._forward(window[: n_accepted + 1], snapshot, None, count=False)
                 mx.eval([c.state for c in self.cache])
                 self.target.end_round()
                 self.stats.n_reruns += 1
@@ -234,7 +266,7 @@ class SpeculativeDecoder:
         draft = self._draft()
         window = [pending] + draft.tokens
         snapshot = _snapshot(self.cache)
-        logits = self._verify(window)
+        logits = self._verify(window, snapshot)
         n, token = self._accept(draft, logits)
         if self.target.telemetry is not None:
             used = {ExpertKey(l, int(e)) for l, ids in self._routing.items() for e in np.unique(ids)}

@@ -129,7 +129,9 @@ def convert(src_dir: str | Path, dst_dir: str | Path, *, force: bool = False,
         if on_start:
             on_start(src.expert_bytes_total)
         for f in sorted(src_dir.iterdir()):
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name not in _NOT_COPIED:
+            # Projection files (`specmoe calibrate`) travel with the model: the drafter pairs with both.
+            is_projection = f.name.startswith("specmoe-projection-") and f.name.endswith(".safetensors")
+            if f.is_file() and (is_projection or not f.name.endswith(".safetensors")) and f.name not in _NOT_COPIED:
                 shutil.copy2(f, tmp / f.name)
         _write_resident(src, tmp / RESIDENT_FILE)
         (tmp / "experts").mkdir()

@@ -109,3 +109,15 @@ def test_incomplete_store_does_not_open(tmp_path, tiny_qwen):
     # Without its manifest a store is only resident weights: nothing says where experts are.
     with pytest.raises(StoreError, match="no stacked routed-expert tensors"):
         OffloadedModel.load(packed)
+
+
+def test_convert_carries_projection_files_along(tmp_path, tiny_qwen):
+    from runtime.draft_setup import default_projection_path
+
+    projection = default_projection_path(tiny_qwen, {"model_type": "qwen3", "hidden_size": 64})
+    projection.write_bytes(b"projection bytes")
+    (tiny_qwen / "unrelated.safetensors").write_bytes(b"x")  # other safetensors are the model's, not copied
+    packed = convert(tiny_qwen, tmp_path / "packed")
+    assert (packed / projection.name).read_bytes() == b"projection bytes"
+    assert not (packed / "unrelated.safetensors").exists()
+    assert ExpertStore.open(packed).kind == "packed"

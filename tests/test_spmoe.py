@@ -1,0 +1,35 @@
+"""spmoe forecasting: routing only the new draft tokens each step gives the forecast of routing all."""
+
+from __future__ import annotations
+
+import numpy as np
+from mlx_lm import load
+
+from runtime.draft_setup import build_predictor, make_drafter
+from runtime.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.tiny_checkpoint import make_tiny
+from tests.conftest import PROMPT, TINY
+
+
+def test_incremental_forecast_equals_forecast_from_scratch(tiny_dirs, tmp_path):
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%"))
+    try:
+        dmodel, _ = load(str(make_tiny(tmp_path / "d", "qwen3", seed=9, layers=TINY["layers"])))
+        dconfig = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": TINY["layers"]}
+        live = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
+        drafter = make_drafter(dmodel, "spmoe")
+        drafter.prefill(om.tokenizer.encode(PROMPT))
+        for _ in range(2):  # two rounds: the predictor must start afresh with each round's taps
+            steps = []
+            result = drafter.propose(3, on_step=lambda taps: steps.append(live.forecast(taps, om.moe_layers)))
+            drafter.settle(1, result.tokens[1])
+            assert len(steps) == 4  # 3 drafts + the last draft fed for its taps
+            fresh = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
+            whole = fresh.forecast(result.taps, om.moe_layers)
+            for layer in om.moe_layers:
+                np.testing.assert_array_equal(steps[-1].experts(layer), whole.experts(layer))
+                np.testing.assert_allclose(steps[-1].layers[layer].scores, whole.layers[layer].scores, rtol=1e-6)
+                assert len(whole.experts(layer)) >= 2 * om.top_k  # k' per token, union over 4 tokens
+        drafter.taps.remove()
+    finally:
+        om.close()
