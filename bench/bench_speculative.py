@@ -108,7 +108,7 @@ def main() -> None:
                          "results are then labelled emulated)")
     args = ap.parse_args()
     pair = embedded_pair()
-    target, draft = args.model or pair.target, args.draft or pair.drafter
+    target, draft = args.model or pair.target, args.draft or pair.default_drafter
     scratch = None
     if not args.raw:
         scratch = tempfile.TemporaryDirectory(prefix="specmoe-bench-")

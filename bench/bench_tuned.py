@@ -38,7 +38,7 @@ def main() -> None:
                          "(max-min over trials of the tuned setting, relative to its median) is used when larger")
     args = ap.parse_args()
     pair = embedded_pair() if args.model is None or args.draft is None else None
-    model, draft = args.model or pair.target, args.draft or pair.drafter
+    model, draft = args.model or pair.target, args.draft or pair.default_drafter
     k, pred, cut, pol, note = resolve_settings(model, draft, args.budget, None, None, None, None)
     if note is None or not note.startswith("using tuned"):
         raise SystemExit(f"no tuning for this pair and budget ({note}); run specmoe tune first")

@@ -6,7 +6,8 @@ target width, E = experts, k' = experts taken per token.
 For each target layer t: H = drafter residual at layer m(t) for every window token
 (T, D_d) -> optional projection (T, D_t) -> target post-attention norm -> target
 gate -> softmax (T, E). Each token contributes its top-k' experts; the union is
-ranked by summed probability. All layers are computed in one MLX graph and read
+ranked by summed probability. All layers are computed in one MLX graph (a RouterBank
+of stacked weights where the norms and gates allow it) and read
 back once per call; tokens already routed in this round (the same taps object)
 are not routed again.
 """
@@ -21,6 +22,7 @@ import numpy as np
 
 from predictor.base import DraftTaps, ExpertForecast, LayerForecast
 from predictor.projection import Projections
+from predictor.router_bank import RouterBank
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class SpmoePredictor:
         self._round_taps: DraftTaps | None = None  # the taps whose tokens self._probs holds
         self._layers: list[int] = []
         self._probs: list[np.ndarray] = []  # per routed token: (layers, E) router probabilities
+        self._banks: dict[tuple[int, ...], RouterBank | None] = {}  # stacked routers per layer list
 
     def forecast(self, taps: DraftTaps, layers: list[int]) -> ExpertForecast:
         per_token = taps.residual if self.source == "residual" else taps.attention
@@ -57,14 +60,7 @@ class SpmoePredictor:
             self._round_taps, self._layers, self._probs = taps, layers, []
         new = per_token[len(self._probs):]
         if new:
-            probs = []
-            for l in layers:
-                h = mx.stack([tok[self.layer_map[l]].reshape(-1) for tok in new])  # (T_new, D_d)
-                if self.projections is not None:
-                    h = self.projections.apply(l, h)
-                r = self.routers[l]
-                probs.append(mx.softmax(r.gate(r.norm(h.astype(mx.float32))).astype(mx.float32), axis=-1))
-            self._probs += list(np.array(mx.stack(probs)).swapaxes(0, 1))  # one host read; per token (layers, E)
+            self._probs += list(np.array(self._route(new, layers)).swapaxes(0, 1))  # one host read; per token (layers, E)
         all_probs = np.stack(self._probs, axis=1)  # (layers, T, E)
         out = {}
         k = min(self.top_k, all_probs.shape[-1])
@@ -75,6 +71,25 @@ class SpmoePredictor:
             order = np.argsort(-score, kind="stable")[: self.limit]
             out[l] = LayerForecast(l, union[order].astype(np.int64), score[order])
         return ExpertForecast(out)
+
+    def _route(self, new: list[dict], layers: list[int]) -> mx.array:
+        """Router probabilities (layers, T_new, E) of the new tokens' taps."""
+        key = tuple(layers)
+        if key not in self._banks:
+            self._banks[key] = RouterBank.from_routers(self.routers, layers, self.projections)
+        bank = self._banks[key]
+        if bank is not None:
+            mapped = [self.layer_map[l] for l in layers]
+            h = mx.stack([mx.stack([tok[m].reshape(-1) for m in mapped]) for tok in new], axis=1)  # (L, T, D_d)
+            return bank.probs(h)
+        probs = []  # a norm or gate the bank cannot stack: layer by layer with the modules themselves
+        for l in layers:
+            h = mx.stack([tok[self.layer_map[l]].reshape(-1) for tok in new])  # (T_new, D_d)
+            if self.projections is not None:
+                h = self.projections.apply(l, h)
+            r = self.routers[l]
+            probs.append(mx.softmax(r.gate(r.norm(h.astype(mx.float32))).astype(mx.float32), axis=-1))
+        return mx.stack(probs)
 
     def observe(self, routing: dict[int, np.ndarray]) -> None:
         pass

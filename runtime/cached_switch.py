@@ -14,9 +14,9 @@ Invariants:
   that each fit; each group is evaluated before the next one may evict its slots.
 - A normal call reads the router's choice back to the host (one sync per MoE layer);
   inside an OptimisticPass the lookup happens on the device and the pass syncs once.
-- Calls of several tokens go through metal.dedup_switch_glu (each unique expert's
-  weights read once per window: a Metal kernel where it is self-checked, else the
-  exact reference), single tokens through the stock SwitchGLU.
+- Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
+  unique expert's weights read once per window) where it runs and is self-checked,
+  else the stock SwitchGLU, as single tokens do; all of these are bit-identical.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
-from metal import dedup_switch_glu
+from metal import window_switch_glu
 from runtime.expert_cache import ExpertCache
 from storage import LayerLayout
 
@@ -95,7 +95,7 @@ class CachedSwitchGLU(nn.Module):
             slot_inds = mx.array(slot_ids.astype(np.uint32))
             # Windows of several tokens (verify, prefill) read each unique expert once; decode keeps stock.
             n_tokens = slot_ids.size // slot_ids.shape[-1]
-            out = dedup_switch_glu(self.switch, x, slot_inds) if n_tokens > 1 else self.switch(x, slot_inds)
+            out = window_switch_glu(self.switch, x, slot_inds) if n_tokens > 1 else self.switch(x, slot_inds)
         except BaseException:
             self.cache.unpin(self.layer, slots)
             raise

@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
 
         if model is None or draft is None:
             pair = embedded_pair()
-            model, draft = model or pair.target, draft or pair.drafter
+            model, draft = model or pair.target, draft or pair.default_drafter
         err_console.print(f"target {model}\ndrafter {draft}\nbudget {budget}; greedy, {max_tokens} tokens", highlight=False)
         result = run_demo(model, draft, prompt, max_tokens, budget, num_draft, io_mode)
         console.print(f"[bold]{prompt}[/bold]{result['text']}", highlight=False)

@@ -17,6 +17,12 @@ class EmbeddedPair:
     drafter: Path  # dense qwen3 drafter of the same width and depth
     drafter_shallow: Path | None  # a shallower drafter, if shipped
     card: dict  # training record: corpus, seed, losses, acceptance, routing statistics
+    drafter_routed: Path | None = None  # half-depth drafter trained to forecast the target's routing, if shipped
+
+    @property
+    def default_drafter(self) -> Path:
+        """The drafter demos and benches use: the routing-trained one when shipped."""
+        return self.drafter_routed or self.drafter
 
 
 def embedded_pair() -> EmbeddedPair:
@@ -25,4 +31,6 @@ def embedded_pair() -> EmbeddedPair:
         raise ValueError(f"the embedded model is missing from {root}; reinstall specmoe")
     shallow = root / "drafter_shallow"
     card = json.loads((root / "card.json").read_text()) if (root / "card.json").exists() else {}
-    return EmbeddedPair(root / "target", root / "drafter", shallow if shallow.exists() else None, card)
+    routed = root / "drafter_routed"
+    return EmbeddedPair(root / "target", root / "drafter", shallow if shallow.exists() else None, card,
+                        routed if routed.exists() else None)

@@ -28,7 +28,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from metal import dedup_switch_glu
+from metal import window_switch_glu
 
 
 @dataclass
@@ -86,7 +86,7 @@ class OptimisticPass:
         self._records[module.layer].append(_Record(indices, (slots < 0).any()))
         safe = mx.maximum(slots, 0).astype(mx.uint32)  # absent: any slot; the pass is discarded then
         n_tokens = indices.size // indices.shape[-1]
-        return dedup_switch_glu(module.switch, x, safe) if n_tokens > 1 else module.switch(x, safe)
+        return window_switch_glu(module.switch, x, safe) if n_tokens > 1 else module.switch(x, safe)
 
     def _book(self, cache, modules) -> None:
         """What the normal path records per call: cache hits and recency, the observer, telemetry."""

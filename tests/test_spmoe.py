@@ -33,3 +33,30 @@ def test_incremental_forecast_equals_forecast_from_scratch(tiny_dirs, tmp_path):
         drafter.taps.remove()
     finally:
         om.close()
+
+
+def test_router_bank_matches_the_layer_modules(tmp_path):
+    import mlx.core as mx
+
+    from predictor.projection import Projections
+    from predictor.router_bank import RouterBank
+    from runtime.embedded import embedded_pair
+
+    om = OffloadedModel.load(embedded_pair().target, OffloadConfig(budget="25%"))
+    try:
+        routers, layers = om.routers(), om.moe_layers
+        rng = np.random.default_rng(0)
+        width = 128
+        proj = Projections({l: rng.normal(0, 0.1, (width + 1, width)) for l in layers}, {})
+        for projections in (None, proj):
+            bank = RouterBank.from_routers(routers, layers, projections)
+            assert bank is not None  # RMSNorm and an 8-bit quantized gate: stackable
+            h = mx.array(rng.normal(0, 1, (len(layers), 5, width)).astype(np.float32))
+            got = np.array(bank.probs(h))
+            for i, l in enumerate(layers):
+                x = h[i] if projections is None else projections.apply(l, h[i])
+                want = np.array(mx.softmax(routers[l].gate(routers[l].norm(x)).astype(mx.float32), axis=-1))
+                np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-6)
+                assert (np.argsort(-got[i], axis=-1)[:, :4] == np.argsort(-want, axis=-1)[:, :4]).mean() > 0.99
+    finally:
+        om.close()
