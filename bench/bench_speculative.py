@@ -9,8 +9,12 @@ whether this pays. Reads go through O_DIRECT by default so misses cost real disk
 time here, as SSD reads do on a Mac.
 
 Variants, all greedy on the same prompts, each starting from an empty cache:
-no-spec, spec+none, spec+previous, spec+spmoe, spec+oracle, at each budget.
-Prints a table and ends with one JSON line.
+no-spec, spec+none, spec+previous, spec+spmoe, spec+oracle, at each budget. The
+variants of one prompt run back to back and "vs no-spec" is the median of those
+per-prompt ratios, so load from other tenants of the machine mostly cancels.
+The target is packed (`specmoe convert`) into a temporary store first: one read
+per expert, as the runtime is meant to be used. Prints a table and ends with one
+JSON line.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,48 +43,46 @@ PROMPTS = [
 VARIANTS = ["no-spec", "none", "previous", "spmoe", "oracle"]
 
 
-def run_variant(target: Path, draft: Path, variant: str, budget: str, args) -> dict:
-    tps, misses, mb, tokens, acc, recall, tpv = [], 0, 0.0, 0, [], [], []
-    precision, size, one_sync = [], [], []
-    for prompt in PROMPTS:
-        inject = f"slow:ms={args.emulate_read_ms}" if args.emulate_read_ms else ""
-        om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=args.io_mode, threads=args.threads,
-                                                       inject=inject))
-        try:
-            ids = list(om.tokenizer.encode(prompt))
-            if variant == "no-spec":
-                out, stats = generate_tokens(om.model, ids, max_tokens=args.tokens, om=om)
-                n = stats.n_tokens - 1  # the first token comes from prefill
-                tps.append(stats.tokens_per_s)
-                c = {"misses": stats.misses_per_token * n, "bytes_read": stats.mb_read_per_token * n * 1e6}
-            else:
-                dmodel, dconfig = load_drafter(draft, om)
-                t0 = time.perf_counter()
-                out, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
-                                                     predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
-                                                     draft_config=dconfig, optimistic=args.optimistic,
-                                                     forecast_k=args.forecast_k, forecast_limit=args.forecast_limit)
-                n = stats.n_tokens
-                tps.append(stats.n_tokens / stats.decode_s)
-                c = stats.counters
-                acc.append(stats.acceptance)
-                tpv.append(stats.tokens_per_verify)
-                recall.append(stats.recall(layers or None))
-                precision.append(stats.precision(layers or None))
-                forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
-                size.append(forecast / max(1, stats.n_rounds * len(layers)))
-                one_sync.append((stats.optimistic_tries - stats.optimistic_fallbacks) / max(1, stats.n_rounds))
-            misses += c["misses"]
-            mb += c["bytes_read"] / 1e6
-            tokens += n
-        finally:
-            om.close()
-    return {"tokens_per_s": statistics.median(tps), "misses_per_token": misses / tokens, "mb_read_per_token": mb / tokens,
-            "acceptance": statistics.mean(acc) if acc else None, "tokens_per_verify": statistics.mean(tpv) if tpv else None,
-            "recall": statistics.mean(recall) if recall else None,
-            "precision": statistics.mean(precision) if precision else None,
-            "forecast_per_layer": statistics.mean(size) if size else None,
-            "one_sync_share": statistics.mean(one_sync) if one_sync else None}
+def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, args) -> dict:
+    """One prompt, one variant, from an empty cache: raw counts of the run."""
+    inject = f"slow:ms={args.emulate_read_ms}" if args.emulate_read_ms else ""
+    om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=args.io_mode, threads=args.threads,
+                                                   inject=inject))
+    try:
+        ids = list(om.tokenizer.encode(prompt))
+        if variant == "no-spec":
+            _, stats = generate_tokens(om.model, ids, max_tokens=args.tokens, om=om)
+            n = stats.n_tokens - 1  # the first token comes from prefill
+            return {"tokens_per_s": stats.tokens_per_s, "tokens": n, "misses": stats.misses_per_token * n,
+                    "mb": stats.mb_read_per_token * n}
+        dmodel, dconfig = load_drafter(draft, om)
+        _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
+                                           predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
+                                           draft_config=dconfig, optimistic=args.optimistic,
+                                           forecast_k=args.forecast_k, forecast_limit=args.forecast_limit)
+        c = stats.counters
+        forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
+        return {"tokens_per_s": stats.n_tokens / stats.decode_s, "tokens": stats.n_tokens, "misses": c["misses"],
+                "mb": c["bytes_read"] / 1e6, "acceptance": stats.acceptance,
+                "tokens_per_verify": stats.tokens_per_verify, "recall": stats.recall(layers or None),
+                "precision": stats.precision(layers or None),
+                "forecast_per_layer": forecast / max(1, stats.n_rounds * len(layers)),
+                "one_sync_share": (stats.optimistic_tries - stats.optimistic_fallbacks) / max(1, stats.n_rounds)}
+    finally:
+        om.close()
+
+
+def summarise(runs: list[dict], base: list[dict] | None) -> dict:
+    """Median tok/s over prompt runs; vs no-spec = median of per-run ratios to no-spec on the same
+    prompt and repeat (variants of a prompt run back to back, so machine drift mostly cancels)."""
+    tokens = sum(r["tokens"] for r in runs)
+    out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+           "vs_no_spec": statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base)) if base else None,
+           "misses_per_token": sum(r["misses"] for r in runs) / tokens,
+           "mb_read_per_token": sum(r["mb"] for r in runs) / tokens}
+    for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share"):
+        out[key] = statistics.mean(r[key] for r in runs) if key in runs[0] else None
+    return out
 
 
 def main() -> None:
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--forecast-k", type=int, default=None, help="experts spmoe takes per window token (default k)")
     ap.add_argument("--forecast-limit", type=int, default=None,
                     help="experts forecast per layer per round at most (default 2k)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: steadier medians)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
@@ -114,20 +116,25 @@ def main() -> None:
         scratch = tempfile.TemporaryDirectory(prefix="specmoe-bench-")
         source, target = target, convert(target, Path(scratch.name) / target.name)
 
+    variants = args.variants.split(",")
     results = {}
     for budget in args.budgets.split(","):
-        for variant in args.variants.split(","):
-            results[f"{budget} {variant}"] = run_variant(target, draft, variant, budget, args)
+        runs = {v: [] for v in variants}
+        for _ in range(args.repeats):
+            for prompt in PROMPTS:
+                for variant in variants:  # back to back on one prompt: drift hits all variants alike
+                    runs[variant].append(run_once(target, draft, variant, budget, prompt, args))
+        for variant in variants:
+            results[f"{budget} {variant}"] = summarise(runs[variant], runs.get("no-spec"))
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, "
-          f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}; tok/s is the median over prompts"
+          f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}, {args.repeats} pass(es); "
+          "tok/s: median over runs; vs no-spec: median of per-prompt ratios"
           + (f"; EMULATED read latency +{args.emulate_read_ms} ms per expert" if args.emulate_read_ms else ""))
     print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec':>12}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
           f"{'recall':>8}{'precis.':>8}{'fc/layer':>9}{'1-sync':>8}")
     for key, r in results.items():
-        base = results.get(f"{key.split()[0]} no-spec", {}).get("tokens_per_s")
         fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
-        ratio = r["tokens_per_s"] / base if base else None
-        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{fmt(ratio, '{:.2f}'):>12}{r['misses_per_token']:>12.2f}"
+        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{fmt(r['vs_no_spec'], '{:.2f}'):>12}{r['misses_per_token']:>12.2f}"
               f"{r['mb_read_per_token']:>9.3f}{fmt(r['acceptance'], '{:.0%}'):>8}{fmt(r['tokens_per_verify'], '{:.2f}'):>11}"
               f"{fmt(r['recall'], '{:.2f}'):>8}{fmt(r['precision'], '{:.2f}'):>8}"
               f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}")

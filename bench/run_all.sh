@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT" docs/img
 TARGET=$(python -c "from runtime.embedded import embedded_pair as e; print(e().target)")
-DRAFT=$(python -c "from runtime.embedded import embedded_pair as e; print(e().drafter)")
+DRAFT=$(python -c "from runtime.embedded import embedded_pair as e; print(e().default_drafter)")
 run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$OUT/$name.txt" 2>&1 || { echo "FAILED: $name"; tail -5 "$OUT/$name.txt"; }; tail -1 "$OUT/$name.txt" | cut -c1-200; }
 run demo specmoe demo --json "$OUT/demo.json"
 # PROFILE_TEXT: one passage per line; the README's run used held-out "Measure for Measure" from the
@@ -15,11 +15,17 @@ run demo specmoe demo --json "$OUT/demo.json"
 run profile specmoe profile -m "$TARGET" --prompts "${PROFILE_TEXT:-bench/profile_texts.txt}" --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
 run sweep_cache specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --plot docs/img/cache.png --json "$OUT/sweep_cache.json"
 run speculative python bench/bench_speculative.py
-run speculative_emulated python bench/bench_speculative.py --emulate-read-ms 2
+run speculative_recall python bench/bench_speculative.py --forecast-k 8 --variants no-spec,spmoe
+for k in 5 6; do  # forecast size vs recall (k' experts per window token; 4 is the default run above)
+  run speculative_forecast_k$k python bench/bench_speculative.py --forecast-k $k --variants spmoe --budgets 50%
+done
+for ms in 1 2 4; do
+  run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,oracle
+done
 run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
 TUNED=$(mktemp -d)/target && cp -r "$TARGET" "$TUNED"  # tune writes tuning.json next to the model: not into the package
 run tune specmoe tune -m "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --json "$OUT/tune.json"
-run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 2 --io-mode direct
+run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 4 --io-mode direct
 run decode python bench/bench_decode.py
 run decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50%,25%
 run loader python bench/bench_loader.py

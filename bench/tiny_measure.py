@@ -157,8 +157,9 @@ def top1_agreement(target, drafter, windows: np.ndarray, batch: int = 8) -> floa
     return same / count
 
 
-def forward_with_routing(model, tokens):
+def forward_with_routing(model, tokens, residuals: list | None = None):
     """Logits plus, for an MoE model, each layer's router softmax (B, L, E); [] for a dense one.
+    If `residuals` is a list, each layer's post-attention residual (B, L, D) is appended to it.
 
     mlx-lm's MoE block computes its gate softmax internally and returns only the mixed output, so
     the load-balancing loss needs the probabilities from outside. This walks the stock layers in the
@@ -175,6 +176,8 @@ def forward_with_routing(model, tokens):
     router_probs = []
     for layer in inner.layers:
         h = h + layer.self_attn(layer.input_layernorm(h), mask, None)
+        if residuals is not None:
+            residuals.append(h)
         x = layer.post_attention_layernorm(h)
         if hasattr(layer.mlp, "switch_mlp"):
             router_probs.append(mx.softmax(layer.mlp.gate(x), axis=-1, precise=True))

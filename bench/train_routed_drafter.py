@@ -44,19 +44,9 @@ from predictor.layer_map import layer_map  # noqa: E402
 
 
 def drafter_residuals(drafter, tokens):
-    """Logits and every layer's post-attention residual, walking the stock qwen3 layers in order."""
-    from mlx_lm.models.base import create_attention_mask
-
-    inner = drafter.model
-    h = inner.embed_tokens(tokens)
-    mask = create_attention_mask(h, None)
+    """Logits and every layer's post-attention residual (the taps spmoe reads at run time)."""
     residuals = []
-    for layer in inner.layers:
-        h = h + layer.self_attn(layer.input_layernorm(h), mask, None)
-        residuals.append(h)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    h = inner.norm(h)
-    logits = inner.embed_tokens.as_linear(h) if drafter.args.tie_word_embeddings else drafter.lm_head(h)
+    logits, _ = forward_with_routing(drafter, tokens, residuals)
     return logits, residuals
 
 
@@ -233,6 +223,7 @@ def main(argv=None) -> dict:
     run = train_model("routed", routed, routed_loss_fn(routed, routers, lmap, args.distill_weight, args.routing_weight),
                       train_stream, args, args.minutes, args.steps, extra_inputs=teacher)
     drafter.eval()
+    float_summary = model_summary(d_config, drafter)  # before quantization replaces the weights
 
     # Quantize and save, then refit the maps on the quantized drafter (its residuals moved a little).
     if args.out.exists():
@@ -256,13 +247,15 @@ def main(argv=None) -> dict:
     save_projection(proj_path, maps, q_target, t_config, q_drafter, q_config, lmap, run.n_tokens)
 
     k = t_config["num_experts_per_tok"]
+    ce = {s: round(heldout_ce(q_drafter, w), 4) for s, w in heldout.items()}
+    ce["all"] = round(float(np.mean(list(ce.values()))), 4)  # equal windows per source: the token mean
     summary = {
         "path": args.out.name,
-        "config": model_summary(d_config, drafter),
+        "config": float_summary,
         "training": {**asdict(run), "command": "python " + " ".join(sys.argv),
                      "distill_weight": args.distill_weight, "routing_weight": args.routing_weight,
                      "map_refit_steps": refit_run.n_steps if refit_run else 0},
-        "heldout_ce": {s: round(heldout_ce(q_drafter, w), 4) for s, w in heldout.items()},
+        "heldout_ce": ce,
         "top1_agreement_with_target": round(top1_agreement(q_target, q_drafter, heldout_all), 4),
         "greedy_acceptance": greedy_acceptance(q_target, q_drafter, [w[:32] for w in heldout_all[::12]],
                                                n_new=48, n_draft=3),

@@ -50,6 +50,7 @@ def register(app: typer.Typer) -> None:
         num_draft: int = typer.Option(None, "--num-draft", "-k", help="Tokens the drafter proposes per round (K; default: tuned, else 4)."),
         predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, oracle (default: tuned, else spmoe)."),
         cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, else all)."),
+        forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default the model's k; 2k covers more, reads more)."),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
         optimistic: str = typer.Option("auto", "--optimistic",
@@ -110,7 +111,7 @@ def register(app: typer.Typer) -> None:
                     om, draft, ids, max_tokens=max_tokens, num_draft=num_draft, predictor=predictor, cutoff=cutoff,
                     projection=projection, temp=temp, top_p=top_p, seed=seed, eos_ids=eos, on_token=show,
                     max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                    optimistic=optimistic)
+                    optimistic=optimistic, forecast_k=forecast_k)
                 line, result["stats"] = spec_line(stats, prefetch_layers), stats.to_json()
                 result.update(draft=str(draft), num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy)
             detok.finalize()

@@ -48,8 +48,12 @@ def build_predictor(name: str, target, draft_model, draft_config: dict, *, proje
     """The named predictor for this target/drafter pair.
 
     forecast_k: experts spmoe takes per window token (k'; default the target's k);
-    limit: experts forecast per layer per round at most (default 2k)."""
+    limit: experts forecast per layer per round at most (default: spmoe the whole union of
+    its per-token top-k', the others 2k)."""
     routers = lm = proj = None
+    n_experts = target.store.layout(target.moe_layers[0]).n_experts
+    if forecast_k is not None and not 1 <= forecast_k <= n_experts:
+        raise ValueError(f"--forecast-k {forecast_k}; expected 1..{n_experts} (experts per layer)")
     if name == "spmoe":
         lm = layer_map(len(target.model.layers), len(draft_model.layers))
         t_width = text_config(target.config)["hidden_size"]
@@ -68,7 +72,8 @@ def build_predictor(name: str, target, draft_model, draft_config: dict, *, proje
             )
         routers = target.routers()
     return make_predictor(name, top_k=forecast_k or target.top_k, routers=routers, layer_map=lm, projections=proj,
-                          recording=recording, limit=limit or 2 * target.top_k)
+                          recording=recording,
+                          limit=limit or (None if name == "spmoe" else 2 * target.top_k))
 
 
 def make_drafter(draft_model, predictor_name: str) -> ModelDrafter:

@@ -38,7 +38,7 @@ def drafter():
 
 
 def drafter_dirs() -> list[Path]:
-    return [p for p in (ROOT / "drafter", ROOT / "drafter_shallow") if p.exists()]
+    return [p for p in (ROOT / "drafter", ROOT / "drafter_shallow", ROOT / "drafter_routed") if p.exists()]
 
 
 def test_package_data_is_small():
@@ -81,7 +81,7 @@ def test_card_records_training_and_measurements(card):
     assert "train_tiny.py" in card["training_command"]
     assert isinstance(card["seed"], int)
     assert len(card["corpus"]["sources"]) == 2 and all(s["licence"] for s in card["corpus"]["sources"])
-    for name in ("target", "drafter"):
+    for name in ("target", "drafter", "drafter_routed"):
         entry = card["models"][name]
         assert entry["config"]["hidden_size"] > 0
         assert 0 < entry["heldout_ce"]["all"] < UNIFORM_CE
@@ -138,3 +138,16 @@ def test_drafter_and_target_agree_on_next_tokens(card, target, drafter):
         same += (mx.argmax(target_model(tokens), -1) == mx.argmax(drafter_model(tokens), -1)).sum().item()
         total += tokens.size
     assert same / total >= 0.25, f"drafter agrees with the target on {same}/{total} next tokens"
+
+
+def test_routing_trained_drafter_is_cheaper_and_closer_to_the_target(card):
+    """The routing-trained drafter has half the depth of the first one, agrees with the target more
+    often and was measured to forecast the target's routing (teacher-forced, held out)."""
+    first, routed = card["models"]["drafter"], card["models"]["drafter_routed"]
+    assert routed["config"]["num_hidden_layers"] * 2 == first["config"]["num_hidden_layers"]
+    assert routed["top1_agreement_with_target"] > first["top1_agreement_with_target"]
+    assert routed["greedy_acceptance"]["acceptance_rate"] > first["greedy_acceptance"]["acceptance_rate"]
+    assert routed["greedy_acceptance"]["matches_target_greedy"]
+    recall = routed["projection"]["heldout_window4_recall_per_layer_at_2k"]
+    assert len(recall) == card["models"]["target"]["config"]["num_hidden_layers"] and min(recall) > 0.9
+    assert (ROOT / routed["projection"]["file"]).exists()
