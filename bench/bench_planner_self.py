@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -43,9 +42,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine_probe import ExpertReads, GatherRate, device_gbps, memory_gbps  # noqa: E402
 from runtime.mac_profiles import MacProfile, measured_profile  # noqa: E402
 from runtime.model_costs import ModelCosts  # noqa: E402
 from runtime.planner import CostConstants, ForwardTime, HitRates, forward_time  # noqa: E402
@@ -164,126 +163,6 @@ def paired_speeds(passes: list[dict[str, float]], reference: str) -> dict[str, t
         samples = [p[name] for p in passes] if name == reference else ratios
         out[name] = (base * statistics.median(ratios), spread_pct(samples))
     return out
-
-
-# --- measuring the machine ---------------------------------------------------------------------
-
-
-def memory_gbps(nbytes: int = 256 << 20, trials: int = 5) -> float:
-    """Copy bandwidth of a large numpy array, counting bytes read plus bytes written (STREAM's rule)."""
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty_like(src)
-    best = math.inf
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
-
-
-def device_gbps(directory: Path, record_bytes: int, file_bytes: int = 128 << 20, threads: int = 4) -> float:
-    """The disk's own figure, for reference: random O_DIRECT reads of whole expert-sized records, 4 in flight."""
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
-
-    record = -(-record_bytes // 4096) * 4096  # O_DIRECT wants block-aligned sizes and offsets
-    n_records = file_bytes // record
-    path = directory / "uncached.bin"
-    with open(path, "wb") as handle:
-        for _ in range(n_records):
-            handle.write(os.urandom(record))
-        handle.flush()
-        os.fsync(handle.fileno())
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:  # a filesystem without O_DIRECT: drop the pages and read without readahead
-        from storage.reader import drop_page_cache
-
-        drop_page_cache(path)
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    order = np.random.default_rng(1).permutation(n_records)
-    buffers = [mmap.mmap(-1, record) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
-
-    def read(worker: int) -> None:
-        for i in order[worker::threads]:
-            os.preadv(fd, [buffers[worker]], int(i) * record)
-
-    try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read, range(threads)))
-        seconds = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        path.unlink()
-    return n_records * record / seconds / 1e9
-
-
-class ExpertReads:
-    """Expert reads as the runtime issues them: the store's ranges, one expert at a time, random order.
-
-    "buffered" reads go through the page cache (every expert is read once first, so it is hot);
-    "direct" reads bypass it (O_DIRECT; buffered where the filesystem refuses it).
-    """
-
-    def __init__(self, store, io_mode: str):
-        from storage import ExpertKey
-        from storage.reader import RangeReader
-
-        self.store, self.reader = store, RangeReader(io_mode)
-        self.keys = [ExpertKey(l, e) for l in store.moe_layers for e in range(store.layout(l).n_experts)]
-        self.views = [np.empty(t.nbytes, np.uint8) for t in store.layout(self.keys[0].layer).tensors]
-        self.expert_bytes = store.layout(self.keys[0].layer).expert_bytes
-        self.rng = np.random.default_rng(0)
-        if io_mode == "buffered":
-            for key in self.keys:
-                store.read_into(key, self.views, self.reader)
-
-    def gbps(self, n_reads: int) -> float:
-        order = self.rng.permutation(len(self.keys))[:n_reads]
-        t0 = time.perf_counter()
-        for i in order:
-            self.store.read_into(self.keys[i], self.views, self.reader)
-        return len(order) * self.expert_bytes / (time.perf_counter() - t0) / 1e9
-
-    def close(self) -> None:
-        self.reader.close()
-
-
-class GatherRate:
-    """Decode-shaped gather_qmm chains (gate, up, down of top_k experts), float32 activations."""
-
-    def __init__(self, layout, top_k: int, n_calls: int = 100):
-        import mlx.core as mx
-
-        self.mx, self.n_calls = mx, n_calls
-        quant = layout.quant["gate_proj"]
-        self.kwargs = dict(transpose=True, group_size=quant.group_size, bits=quant.bits)
-        shapes = {t.name: t.shape for t in layout.tensors}  # per expert: weight (out, in * bits / 32)
-        self.weights = {}
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out_dims, packed = shapes[f"{proj}.weight"]
-            dense = mx.random.normal((layout.n_experts, out_dims, packed * 32 // quant.bits), key=mx.random.key(0))
-            self.weights[proj] = mx.quantize(dense * 0.02, group_size=quant.group_size, bits=quant.bits)
-        self.hidden = shapes["gate_proj.weight"][1] * 32 // quant.bits
-        self.inds = mx.array([list(range(0, layout.n_experts, layout.n_experts // top_k))[:top_k]], dtype=mx.uint32)
-        self.flops_per_call = 2 * top_k * sum(o * p * 32 // quant.bits for name, (o, p) in shapes.items()
-                                              if name.endswith(".weight"))
-        mx.eval(self.weights)
-
-    def gflops(self) -> float:
-        mx = self.mx
-        x = mx.random.normal((1, 1, 1, self.hidden), key=mx.random.key(1))
-        mx.eval(x)
-        t0 = time.perf_counter()
-        for _ in range(self.n_calls):
-            gate = mx.gather_qmm(x, *self.weights["gate_proj"], rhs_indices=self.inds, **self.kwargs)
-            up = mx.gather_qmm(x, *self.weights["up_proj"], rhs_indices=self.inds, **self.kwargs)
-            down = mx.gather_qmm(gate * up, *self.weights["down_proj"], rhs_indices=self.inds, **self.kwargs)
-            x = down.sum(axis=1, keepdims=True) * 0.01  # feeds the next call: one chain, one eval
-        mx.eval(x)
-        return self.flops_per_call * self.n_calls / (time.perf_counter() - t0) / 1e9
 
 
 # --- measuring decode --------------------------------------------------------------------------
