@@ -54,8 +54,8 @@ def register(app: typer.Typer) -> None:
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
         optimistic: str = typer.Option("auto", "--optimistic",
-                                       help="Verify with one host sync when the window's experts are resident: "
-                                            "auto (tries while it mostly succeeds), on, off."),
+                                       help="Run a decode step or verify pass with one host sync when its experts "
+                                            "are resident: auto (tries while it mostly succeeds), on, off."),
         policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, else lru)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
             result = {"model": str(model), "budget": budget, "budget_bytes": om.plan.budget_bytes, "slots": om.plan.slots}
             if draft is None:
                 tokens, stats = generate_tokens(om.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                                                eos_ids=eos, om=om, on_token=show)
+                                                eos_ids=eos, om=om, on_token=show, optimistic=optimistic)
                 line, result["stats"] = stats.line(), stats.to_json()
             else:
                 from runtime.spec_run import run_speculative

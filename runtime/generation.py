@@ -2,8 +2,10 @@
 
 The decode loop is mlx-lm's own `generate_step` (it pipelines step n+1 with
 `async_eval` before yielding token n); we only read the cache and loader
-counters around it. Prefill and decode are reported separately because prefill
-misses say nothing about steady-state paging.
+counters around it, and hand it the model wrapped in a OneSyncModel so a step whose
+experts are all resident costs one host sync instead of one per MoE layer. Prefill
+and decode are reported separately because prefill misses say nothing about
+steady-state paging.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ class GenerationStats:
     bytes_read: int  # all bytes read (prefill + decode)
     load_wait_ms: float  # time the model waited for demand loads
     peak_memory_bytes: int  # MLX allocator peak during the run
+    one_sync_tries: int = 0  # decode steps tried with one host sync (runtime/optimistic.py)
+    one_sync_fallbacks: int = 0  # of those, steps that met an absent expert and ran again normally
 
     def line(self) -> str:
         return (f"{self.tokens_per_s:.1f} tok/s | hit rate {self.hit_rate:.1%} | "
                 f"{self.misses_per_token:.2f} misses/token | {self.mb_read_per_token:.3f} MB read/token | "
-                f"prompt {self.n_prompt_tokens} tok, generated {self.n_tokens} tok")
+                f"prompt {self.n_prompt_tokens} tok, generated {self.n_tokens} tok | "
+                f"one-sync steps {self.one_sync_tries - self.one_sync_fallbacks}/{self.one_sync_tries}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -46,13 +51,24 @@ def _counters(om) -> dict:
 
 
 def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
-                    eos_ids=(), om=None, on_token: Callable[[int], None] | None = None) -> tuple[list[int], GenerationStats]:
-    """Generate up to `max_tokens` after `prompt_ids`. `om` (an OffloadedModel) supplies paging counters."""
+                    eos_ids=(), om=None, on_token: Callable[[int], None] | None = None,
+                    optimistic: str = "auto") -> tuple[list[int], GenerationStats]:
+    """Generate up to `max_tokens` after `prompt_ids`. `om` (an OffloadedModel) supplies paging counters
+    and, unless optimistic is "off", its decode steps are tried with one host sync (OneSyncModel;
+    "auto" backs off while they fail, "on" always tries)."""
+    if optimistic not in ("auto", "on", "off"):
+        raise ValueError(f"--optimistic {optimistic!r}; expected auto, on or off")
     if max_tokens < 1:
         raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenization; expected at least one token")
     sampler = make_sampler(temp=temp, top_p=top_p)
+    one_sync = None
+    if om is not None and optimistic != "off":
+        from runtime.optimistic import OneSyncModel, OptimismGate
+
+        one_sync = OneSyncModel(om, OptimismGate(min_success=0.0) if optimistic == "on" else None)
+        model = one_sync
     mx.reset_peak_memory()
     c0 = _counters(om)
     t0 = time.perf_counter()
@@ -83,6 +99,8 @@ def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: floa
         bytes_read=c2["bytes_read"] - c0["bytes_read"],
         load_wait_ms=c2["load_wait_ms"] - c0["load_wait_ms"],
         peak_memory_bytes=mx.get_peak_memory(),
+        one_sync_tries=one_sync.stats.tries if one_sync else 0,
+        one_sync_fallbacks=one_sync.stats.fallbacks if one_sync else 0,
     )
     return tokens, stats
 

@@ -26,12 +26,11 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps, ExpertForecast
 from runtime.drafter import ModelDrafter
-from runtime.optimistic import OptimismGate, OptimisticPass
+from runtime.optimistic import OptimismGate, OptimisticPass, gated_forward, roll_back, snapshot_untrimmable
 from runtime.sampling import accept_greedy, accept_sampled, probabilities
 from storage import ExpertKey
 
@@ -116,11 +115,6 @@ class SpecStats:
         return d
 
 
-def _snapshot(cache) -> list:
-    """States of the caches that cannot be trimmed (containers copied, arrays shared)."""
-    return [None if c.is_trimmable() else tree_map(lambda x: x, c.state) for c in cache]
-
-
 class SpeculativeDecoder:
     def __init__(self, target, drafter: ModelDrafter, predictor, cfg: SpecConfig = SpecConfig()):
         self.target = target  # OffloadedModel
@@ -143,7 +137,7 @@ class SpeculativeDecoder:
         self._queued: set[ExpertKey] = set()
         self._round_bytes = 0
         self._optimistic = OptimisticPass(target) if cfg.optimistic != "off" else None
-        self._gate = OptimismGate() if cfg.optimistic == "auto" else None
+        self._gate = OptimismGate() if cfg.optimistic == "auto" else OptimismGate(min_success=0.0)
 
     # -- phases ------------------------------------------------------------------------
     def _forecast_and_prefetch(self, taps: DraftTaps) -> None:
@@ -182,25 +176,14 @@ class SpeculativeDecoder:
     def _forward(self, tokens: list[int], snapshot: list, gate: OptimismGate | None, count: bool) -> mx.array:
         """The target over `tokens` with one host sync if their experts are resident, else the normal path."""
         inputs = mx.array(tokens)[None]
-        if self._optimistic is not None and (gate is None or gate.should_try()):
-            out = self._optimistic.run(lambda: self.target.model(inputs, cache=self.cache))
-            if gate is not None:
-                gate.record(out is not None)
-            if count:
-                self.stats.optimistic_tries += 1
-                self.stats.optimistic_fallbacks += out is None
-            if out is not None:
-                return out
-            self._undo(len(tokens), snapshot)
-        return self.target.model(inputs, cache=self.cache)
-
-    def _undo(self, n: int, snapshot: list) -> None:
-        """Drop the last n positions a discarded forward wrote into the caches."""
-        for c, s in zip(self.cache, snapshot):
-            if s is None:
-                c.trim(n)
-            else:
-                c.state = tree_map(lambda x: x, s)  # a copy: caches mutate their state containers in place
+        forward = lambda: self.target.model(inputs, cache=self.cache)  # noqa: E731
+        if self._optimistic is None:
+            return forward()
+        out, success = gated_forward(gate, self._optimistic, forward, lambda: roll_back(self.cache, snapshot, len(tokens)))
+        if count and success is not None:
+            self.stats.optimistic_tries += 1
+            self.stats.optimistic_fallbacks += not success
+        return out
 
     def _observe(self, layer: int, ids: np.ndarray) -> None:
         self._routing[layer] = np.concatenate([self._routing[layer], ids]) if layer in self._routing else ids
@@ -229,11 +212,7 @@ class SpeculativeDecoder:
         rejected = len(window) - 1 - n_accepted
         if any(s is not None for s in snapshot):
             if rejected:
-                for c, s in zip(self.cache, snapshot):
-                    if s is None:
-                        c.trim(len(window))
-                    else:
-                        c.state = tree_map(lambda x: x, s)  # a copy: a failed one-sync rerun restores s again
+                roll_back(self.cache, snapshot, len(window))
                 self.target.label_round("rerun")
                 # The verify pass has just used these tokens' experts: a one-sync pass almost always holds.
                 self._forward(window[: n_accepted + 1], snapshot, None, count=False)
@@ -265,7 +244,7 @@ class SpeculativeDecoder:
         self._round += 1
         draft = self._draft()
         window = [pending] + draft.tokens
-        snapshot = _snapshot(self.cache)
+        snapshot = snapshot_untrimmable(self.cache)
         logits = self._verify(window, snapshot)
         n, token = self._accept(draft, logits)
         if self.target.telemetry is not None:

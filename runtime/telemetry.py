@@ -16,7 +16,7 @@ never rejected drafts or re-runs).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -33,8 +33,12 @@ class LayerRecord:
     stall_ms: float = 0.0  # time waiting for reads
 
     def add(self, other: "LayerRecord") -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
+        # Field by field: dataclasses.asdict deep-copies, and this runs twice per layer per forward.
+        for k in _LAYER_FIELDS:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+_LAYER_FIELDS = tuple(f.name for f in fields(LayerRecord))
 
 
 @dataclass

@@ -99,15 +99,58 @@ def test_a_frozen_slot_is_never_evicted_by_prefetch(packed_dirs):
         om.close()
 
 
-def test_gate_backs_off_after_fallbacks_and_probes():
-    gate = OptimismGate(probe_every=4, window=4)
-    for _ in range(4):
-        assert gate.should_try()
-        gate.record(False)
-    tries = [gate.should_try() for _ in range(8)]
-    assert tries == [False, False, False, True] * 2
-    gate.record(True), gate.record(True), gate.record(True)
-    assert gate.should_try()  # 3 of the last 4 succeeded
+def _drive(gate: OptimismGate, outcomes, ms: dict) -> list[bool]:
+    """Feed the gate as gated_forward does; returns, per call, whether a pass was tried."""
+    tried = []
+    for success in outcomes:
+        t = gate.should_try()
+        tried.append(t)
+        if t:
+            gate.record(success, ms["pass"] if success else ms["fail"])
+        if not (t and success):
+            gate.record_normal(ms["normal"])
+    return tried
+
+
+def test_gate_tries_when_the_measured_saving_outweighs_the_failures():
+    outcomes = [i % 5 != 0 for i in range(400)]  # 80% of passes would succeed
+    cpu = {"normal": 6.2, "pass": 5.4, "fail": 5.4}  # host syncs are cheap: a failure costs 7 successes
+    metal = {"normal": 60.0, "pass": 16.0, "fail": 16.0}  # syncs dominate a forward
+    assert sum(_drive(OptimismGate(), outcomes, cpu)) < 60
+    assert sum(_drive(OptimismGate(), outcomes, metal)) == len(outcomes)
+    assert all(_drive(OptimismGate(min_success=0.0), outcomes, cpu))  # "on": always
+
+
+def test_gate_probes_with_a_doubling_gap_and_recovers():
+    gate = OptimismGate(probe_every=4, max_probe_every=16, window=4)
+    ms = {"normal": 6.0, "pass": 5.0, "fail": 5.0}
+    tried = _drive(gate, [False] * 80, ms)
+    probes = [i for i, t in enumerate(tried) if t][4:]  # after the first `window` tries
+    assert [b - a for a, b in zip(probes, probes[1:])] == [8, 16, 16, 16, 16]
+    assert probes[0] == 3 + 4
+    tried = _drive(gate, [True] * 60, {"normal": 60.0, "pass": 16.0, "fail": 16.0})
+    assert all(tried[-20:])  # probes succeed, the gate trusts the pass again
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("budget", ["100%", "50%"])
+def test_plain_decoding_with_one_sync_steps_is_lossless(family, budget, tiny_dirs):
+    from runtime.generation import generate_tokens
+
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget=budget))
+    try:
+        ids = om.tokenizer.encode(PROMPT)
+        expected = greedy_ids(load(str(tiny_dirs[family]))[0], ids, 40)
+        tokens, stats = generate_tokens(om.model, ids, max_tokens=40, om=om, optimistic="on")
+        assert tokens == expected
+        assert stats.one_sync_tries >= 39  # every single-token step (generate_step also runs one ahead)
+        if budget == "100%":  # once the experts are in, steps succeed
+            assert stats.one_sync_fallbacks < stats.one_sync_tries
+        assert all(m.optimistic is None for m in om.modules.values())
+        off, _ = generate_tokens(om.model, ids, max_tokens=40, om=om, optimistic="off")
+        assert off == expected
+    finally:
+        om.close()
 
 
 @pytest.fixture(scope="module")
