@@ -65,6 +65,8 @@ class OptimisticPass:
         cache, modules = self.om.cache, self.om.modules
         self.stats.tries += 1
         self.stats.settle_ms += cache.settle_inflight()
+        for layer in modules:
+            cache.usable_slots(layer)  # a resize the memory governor asked for takes effect here too
         frozen = cache.freeze_resident()
         self._tables = {l: mx.array(table) for l, (table, _) in frozen.items()}
         self._records = {l: [] for l in modules}

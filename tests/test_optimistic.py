@@ -77,6 +77,22 @@ def test_an_absent_expert_discards_the_pass_and_records_nothing(tiny_dirs):
         om.close()
 
 
+def test_a_pending_resize_takes_effect_in_a_one_sync_pass(tiny_dirs):
+    """The memory governor's requests apply at a layer's next call; one-sync passes are calls too."""
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
+    try:
+        ids = om.tokenizer.encode(PROMPT)
+        cache = make_prompt_cache(om.model)
+        mx.eval(om.model(mx.array(ids)[None], cache=cache))
+        om.cache.request_usable_slots(om.top_k * 2)
+        OptimisticPass(om).run(lambda: om.model(mx.array(ids[-1:])[None], cache=cache))
+        for layer, ls in om.cache.table.layers.items():
+            assert ls.usable == om.top_k * 2
+            assert om.cache.table.valid_count(layer) <= om.top_k * 2
+    finally:
+        om.close()
+
+
 def test_a_frozen_slot_is_never_evicted_by_prefetch(packed_dirs):
     om = OffloadedModel.load(packed_dirs["qwen3_moe"], OffloadConfig(budget="25%", threads=1))
     try:
