@@ -20,7 +20,7 @@ for k in 5 6; do  # forecast size vs recall (k' experts per window token; 4 is t
   run speculative_forecast_k$k python bench/bench_speculative.py --forecast-k $k --variants spmoe --budgets 50%
 done
 for ms in 1 2 4; do
-  run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,oracle
+  run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,oracle --repeats 2
 done
 run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
 TUNED=$(mktemp -d)/target && cp -r "$TARGET" "$TUNED"  # tune writes tuning.json next to the model: not into the package

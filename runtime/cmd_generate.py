@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
         optimistic: str = typer.Option("auto", "--optimistic",
                                        help="Run a decode step or verify pass with one host sync when its experts "
-                                            "are resident: auto (tries while it mostly succeeds), on, off."),
+                                            "are resident: auto (when its measured saving beats its failures), on, off."),
         policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, else lru)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),

@@ -215,8 +215,8 @@ class OneSyncModel:
 def gated_forward(gate: OptimismGate | None, opt: OptimisticPass, forward: Callable[[], mx.array],
                   undo: Callable[[], None]) -> tuple[mx.array, bool | None]:
     """forward() as a one-sync pass if the gate says so (None: always), else or after a failure
-    normally, undo() in between; the gate learns each outcome and duration. Returns (output, the
-    pass's success or None if not tried). The normal output may still be lazy past its last sync."""
+    normally, undo() in between; the gate learns each outcome and duration (both paths timed to an
+    evaluated output). Returns (output, the pass's success or None if not tried)."""
     tried = gate is None or gate.should_try()
     if tried:
         t0 = time.perf_counter()
@@ -229,5 +229,6 @@ def gated_forward(gate: OptimismGate | None, opt: OptimisticPass, forward: Calla
     t0 = time.perf_counter()
     out = forward()
     if gate is not None:
+        mx.eval(out)  # its tail past the last MoE sync (final norm, lm_head) counts too, as in a pass
         gate.record_normal((time.perf_counter() - t0) * 1e3)
     return out, (False if tried else None)
