@@ -16,7 +16,10 @@ those syncs are pure latency. An optimistic pass instead:
    caller must undo the pass's cache writes (trim or restore) and run the normal path.
 
 OneSyncModel applies the same to plain decoding: it wraps the model handed to mlx-lm's
-generate_step and tries each single-token step as a pass.
+generate_step and tries each single-token step as a pass. Whether a pass is tried at
+all is OptimismGate's call, from the measured cost of passes, failures and normal
+forwards (gated_forward runs one step that way; snapshot_untrimmable/roll_back undo
+a discarded pass).
 
 Invariants: no slot a frozen table names can change until the pass has been evaluated
 and thawed; a pass returns an output only if every routed expert was resident; the
