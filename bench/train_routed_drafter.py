@@ -159,7 +159,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", type=Path, default=Path(__file__).resolve().parent.parent / "runtime/data/tiny",
                    help="the embedded pair's directory (target/ and card.json are read)")
-    p.add_argument("--out", type=Path, required=True, help="output drafter directory (replaced)")
+    p.add_argument("--out", type=Path, required=True, help="output drafter directory")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--projection-out", type=Path, default=None,
                    help="projection file (default: the target's default path for this drafter)")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache/specmoe/train_tiny",
@@ -181,7 +182,18 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS (slower CPU matmuls)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_out(p, args)
+    return args
+
+
+def check_out(p: argparse.ArgumentParser, args) -> None:
+    """Refuse an --out that would replace the pair's own files, or anything without --force."""
+    out, pair = args.out.resolve(), args.pair.resolve()
+    if out == pair or pair.is_relative_to(out) or out == (pair / "target").resolve():
+        p.error(f"--out {args.out} would replace the pair's target; expected a new drafter directory")
+    if args.out.exists() and not args.force:
+        p.error(f"--out {args.out} exists; pass --force to replace it")
 
 
 def main(argv=None) -> dict:
@@ -227,7 +239,7 @@ def main(argv=None) -> dict:
 
     # Quantize and save, then refit the maps on the quantized drafter (its residuals moved a little).
     if args.out.exists():
-        shutil.rmtree(args.out)
+        shutil.rmtree(args.out)  # checked in check_out(): a drafter directory the user agreed to replace
     tok_dir = target_dir  # the target's tokenizer files: the pair shares them byte for byte
     quantize_and_save(drafter, d_config, tok_dir, args.out, args.dtype)
     q_drafter, _, q_config = mlx_load(str(args.out), return_config=True)
