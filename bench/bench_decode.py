@@ -4,7 +4,7 @@ Physics: a decode step reads every resident weight once plus top_k experts per M
 layer. Fully resident (stock) pays no I/O; at a budget below 100% a step pays for
 its misses (bytes from the page cache or SSD) plus our per-layer host sync that
 reads the router's choice -- one sync per step instead when every expert the step
-routes to is resident (runtime/optimistic.py). With files hot, a miss costs a memory copy, so at 50%
+routes to is resident (runtime/decode/one_sync.py). With files hot, a miss costs a memory copy, so at 50%
 the offloaded model should stay close to stock (target >= 0.95x).
 
 Variants, all greedy on the same prompts, files hot (one warmup run first):
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from runtime.offloaded_model import OffloadConfig, OffloadedModel  # noqa: E402
-from runtime.optimistic import OneSyncModel  # noqa: E402
-from runtime.tiny_checkpoint import make_tiny  # noqa: E402
+from runtime.decode import OffloadConfig, OffloadedModel  # noqa: E402
+from runtime.decode import OneSyncModel  # noqa: E402
+from runtime.checkpoints import make_tiny  # noqa: E402
 
 PROMPTS = [
     "The history of the river begins in the mountains, where",
@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--budgets", default="100%,50%,25%")
-    ap.add_argument("--optimistic", default="auto", choices=["auto", "off"],
-                    help="one-sync decode steps (runtime/optimistic.py), as `specmoe generate` runs them")
+    ap.add_argument("--one-sync", default="auto", choices=["auto", "off"],
+                    help="one-sync decode steps (runtime/decode/one_sync.py), as `specmoe generate` runs them")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +80,7 @@ def main() -> None:
             else:
                 om = OffloadedModel.load(path, OffloadConfig(budget=budget))
                 # What generate_tokens runs: decode steps tried with one host sync while they succeed.
-                model = om.model if args.optimistic == "off" else OneSyncModel(om)
+                model = om.model if args.one_sync == "off" else OneSyncModel(om)
                 loaded[name] = (model, om.tokenizer, om)
         for model, tok, om in loaded.values():  # warmup: files hot, kernels built
             decode_tps(model, tok, 8, om)
@@ -109,7 +109,7 @@ def main() -> None:
         results[name] = {"tokens_per_s": tps, "ratio_vs_stock": tps / stock, "misses_per_token": mpt, "mb_read_per_token": mbpt}
         print(f"{name:<16}{tps:>9.1f}{tps / stock:>10.2f}{mpt:>12.2f}{mbpt:>13.3f}")
     print(json.dumps({"bench": "decode", "model": str(args.model or "synthetic qwen3_moe 8x64 experts"),
-                      "optimistic": args.optimistic, "tokens": args.tokens, "trials": args.trials, "results": results}))
+                      "one_sync": args.one_sync, "tokens": args.tokens, "trials": args.trials, "results": results}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Predicted against measured: the planner's cost model fed this machine's own measurements.
 
-Physics: the planner adds the terms of one decode forward (runtime/planner.py):
+Physics: the planner adds the terms of one decode forward (runtime/plan/planner.py):
     dense + experts = max(bytes / memory bandwidth, FLOPs / compute rate)   resident and routed weights
     I/O             = missed expert bytes / page-cache (or disk) read bandwidth
     sync            = MoE layers x sync_ms_per_layer                       (the one fitted constant)
@@ -45,9 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine_probe import ExpertReads, GatherRate, device_gbps, memory_gbps  # noqa: E402
-from runtime.mac_profiles import MacProfile, measured_profile  # noqa: E402
-from runtime.model_costs import ModelCosts  # noqa: E402
-from runtime.planner import CostConstants, ForwardTime, HitRates, forward_time  # noqa: E402
+from runtime.plan import MacProfile, measured_profile  # noqa: E402
+from runtime.plan import ModelCosts  # noqa: E402
+from runtime.plan import CostConstants, ForwardTime, HitRates, forward_time  # noqa: E402
 
 PROMPTS = [
     "The history of the river begins in the mountains, where",
@@ -187,7 +187,7 @@ def decode_once(model, tokenizer, prompt: str, n_tokens: int, om=None) -> tuple[
 
 def store_costs(path: Path, store) -> ModelCosts:
     """ModelCosts from config.json, with bytes from the store (its scales may be 32-bit)."""
-    from runtime.model_costs import model_costs
+    from runtime.plan import model_costs
 
     config = store.config
     quant = config.get("quantization") or {}
@@ -216,7 +216,7 @@ def measure(path: Path, specs, n_tokens: int, n_trials: int, tmp: Path) -> dict:
     """Every raw sample: machine terms and each variant's decode tok/s per pass, hit/miss counts."""
     from mlx_lm import load
 
-    from runtime.offloaded_model import OffloadConfig, OffloadedModel
+    from runtime.decode import OffloadConfig, OffloadedModel
     from storage import ExpertStore
 
     store = ExpertStore.open(path)
@@ -327,7 +327,7 @@ def main() -> None:
 
     import psutil
 
-    from runtime.tiny_checkpoint import make_tiny
+    from runtime.checkpoints import make_tiny
 
     specs = parse_rows(args.rows)
     if args.fit not in [label for label, _, _ in specs]:

@@ -35,10 +35,10 @@ import mlx.core as mx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.generation import generate_tokens  # noqa: E402
-from runtime.offloaded_model import OffloadConfig, OffloadedModel  # noqa: E402
-from runtime.spec_run import run_speculative  # noqa: E402
-from runtime.tiny_checkpoint import make_tiny  # noqa: E402
+from runtime.decode import generate_tokens  # noqa: E402
+from runtime.decode import OffloadConfig, OffloadedModel  # noqa: E402
+from runtime.decode import run_speculative  # noqa: E402
+from runtime.checkpoints import make_tiny  # noqa: E402
 from storage.packer import convert  # noqa: E402
 
 PROMPTS = [
@@ -82,7 +82,7 @@ def main() -> None:
         cfg = OffloadConfig(budget=args.budget, verify_checksums=True, threads=4, telemetry=args.telemetry,
                             inject=args.inject)
         om = OffloadedModel.load(packed, cfg)
-        from runtime.draft_setup import load_drafter
+        from runtime.decode import load_drafter
 
         draft_model, draft_config = load_drafter(drafter_dir, om)
         slots = sorted(set(om.plan.slots.values()))

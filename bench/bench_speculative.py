@@ -27,11 +27,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.draft_setup import load_drafter  # noqa: E402
-from runtime.embedded import embedded_pair  # noqa: E402
-from runtime.generation import generate_tokens  # noqa: E402
-from runtime.offloaded_model import OffloadConfig, OffloadedModel  # noqa: E402
-from runtime.spec_run import run_speculative  # noqa: E402
+from runtime.decode import load_drafter  # noqa: E402
+from runtime.checkpoints import embedded_pair  # noqa: E402
+from runtime.decode import generate_tokens  # noqa: E402
+from runtime.decode import OffloadConfig, OffloadedModel  # noqa: E402
+from runtime.decode import run_speculative  # noqa: E402
 from storage.packer import convert  # noqa: E402
 
 PROMPTS = [
@@ -58,7 +58,7 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
         dmodel, dconfig = load_drafter(draft, om)
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
                                            predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
-                                           draft_config=dconfig, optimistic=args.optimistic,
+                                           draft_config=dconfig, one_sync=args.one_sync,
                                            forecast_k=args.forecast_k, forecast_limit=args.forecast_limit)
         c = stats.counters
         forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
@@ -67,7 +67,7 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                 "tokens_per_verify": stats.tokens_per_verify, "recall": stats.recall(layers or None),
                 "precision": stats.precision(layers or None),
                 "forecast_per_layer": forecast / max(1, stats.n_rounds * len(layers)),
-                "one_sync_share": (stats.optimistic_tries - stats.optimistic_fallbacks) / max(1, stats.n_rounds)}
+                "one_sync_share": (stats.one_sync_tries - stats.one_sync_fallbacks) / max(1, stats.n_rounds)}
     finally:
         om.close()
 
@@ -98,8 +98,8 @@ def main() -> None:
                     help="read the mlx-lm checkpoint directly (several reads per expert) instead of a packed "
                          "store made by `specmoe convert` in a temporary directory (one read per expert)")
     ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--optimistic", default="auto", choices=["auto", "on", "off"],
-                    help="one-sync verify when the window's experts are resident (runtime/optimistic.py)")
+    ap.add_argument("--one-sync", default="auto", choices=["auto", "on", "off"],
+                    help="one-sync verify when the window's experts are resident (runtime/decode/one_sync.py)")
     ap.add_argument("--forecast-k", type=int, default=None, help="experts spmoe takes per window token (default k)")
     ap.add_argument("--forecast-limit", type=int, default=None,
                     help="experts forecast per layer per round at most (default 2k)")
@@ -140,7 +140,7 @@ def main() -> None:
               f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}")
     print(json.dumps({"bench": "speculative", "target": str(source if scratch else target), "packed": not args.raw, "draft": str(draft), "num_draft": args.num_draft,
                       "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
-                      "optimistic": args.optimistic, "forecast_k": args.forecast_k,
+                      "one_sync": args.one_sync, "forecast_k": args.forecast_k,
                       "forecast_limit": args.forecast_limit,
                       "results": results}))
     if scratch is not None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_decode import decode_tps  # noqa: E402
-from runtime.offloaded_model import OffloadConfig, OffloadedModel  # noqa: E402
-from runtime.tiny_checkpoint import make_tiny  # noqa: E402
+from runtime.decode import OffloadConfig, OffloadedModel  # noqa: E402
+from runtime.checkpoints import make_tiny  # noqa: E402
 
 VARIANTS = {"off": dict(telemetry=False), "on (default)": dict(telemetry=True), "on + trace": dict(trace=True)}
 

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.embedded import embedded_pair  # noqa: E402
-from runtime.profile_run import read_prompts  # noqa: E402
-from runtime.sweep_run import SettingRunner, Workload  # noqa: E402
-from runtime.tuned import resolve_settings  # noqa: E402
-from runtime.tuner import Setting  # noqa: E402
+from runtime.checkpoints import embedded_pair  # noqa: E402
+from runtime.observe import read_prompts  # noqa: E402
+from runtime.tune import SettingRunner, Workload  # noqa: E402
+from runtime.tune import resolve_settings  # noqa: E402
+from runtime.tune import Setting  # noqa: E402
 
 
 def main() -> None:

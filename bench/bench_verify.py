@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from metal.dedup_verify import (  # noqa: E402
     group_by_expert, grouped_metal, max_error, moe_verify_reference, weights_from_slab)
 from metal.selfcheck import make_routing, random_slab, stock_switch_glu  # noqa: E402
-from runtime.routing_math import uniform_unique_experts  # noqa: E402
+from runtime.observe import uniform_unique_experts  # noqa: E402
 
 
 def expert_bytes(slab: dict[str, mx.array]) -> int:

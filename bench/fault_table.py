@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.tiny_checkpoint import make_tiny  # noqa: E402
+from runtime.checkpoints import make_tiny  # noqa: E402
 from storage.packer import convert  # noqa: E402
 from tests.conftest import PROMPT, TINY  # noqa: E402
 from tests.test_convert_kill import count_points, kill_at  # noqa: E402

@@ -58,7 +58,7 @@ def _header_seeds(seed_dir: Path) -> None:
 
 
 def _make_store() -> Path:
-    from runtime.tiny_checkpoint import make_tiny
+    from runtime.checkpoints import make_tiny
     from storage.packer import convert
 
     raw = make_tiny(WORK / "raw", "qwen3_moe", seed=1, layers=2, n_experts=8, top_k=2)

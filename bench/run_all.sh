@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT" docs/img
-TARGET=$(python -c "from runtime.embedded import embedded_pair as e; print(e().target)")
-DRAFT=$(python -c "from runtime.embedded import embedded_pair as e; print(e().default_drafter)")
+TARGET=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().target)")
+DRAFT=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().default_drafter)")
 run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$OUT/$name.txt" 2>&1 || { echo "FAILED: $name"; tail -5 "$OUT/$name.txt"; }; tail -1 "$OUT/$name.txt" | cut -c1-200; }
 run demo specmoe demo --json "$OUT/demo.json"
 # PROFILE_TEXT: one passage per line; the README's run used held-out "Measure for Measure" from the

@@ -135,7 +135,7 @@ def forecast_recall(target, drafter, maps: dict[int, np.ndarray], lmap, windows:
 def save_projection(path: Path, maps: dict[int, np.ndarray], target, target_config: dict, drafter, drafter_config,
                     lmap, n_tokens: int) -> None:
     from predictor.projection import Projections, config_digest
-    from runtime.fingerprint import model_fingerprint
+    from runtime.checkpoints import model_fingerprint
 
     meta = {
         "target_model_type": target_config.get("model_type"), "target_digest": config_digest(target_config),
@@ -253,7 +253,7 @@ def main(argv=None) -> dict:
         refit_run = train_model("refit-maps", refit, routed_loss_fn(refit, routers, lmap, 0.0, 1.0), train_stream,
                                 refit_args, 0, args.refit_steps, extra_inputs=teacher)
     maps = maps_as_arrays(refit)
-    from runtime.draft_setup import default_projection_path
+    from runtime.decode import default_projection_path
 
     proj_path = args.projection_out or default_projection_path(target_dir, q_config)
     save_projection(proj_path, maps, q_target, t_config, q_drafter, q_config, lmap, run.n_tokens)

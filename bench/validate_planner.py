@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.budget import BudgetSpec  # noqa: E402
-from runtime.mac_profiles import mac_profile  # noqa: E402
-from runtime.model_costs import load_model_config, model_costs  # noqa: E402
-from runtime.planner import (  # noqa: E402
+from runtime.cache import BudgetSpec  # noqa: E402
+from runtime.plan import mac_profile  # noqa: E402
+from runtime.plan import load_model_config, model_costs  # noqa: E402
+from runtime.plan import (  # noqa: E402
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,
     HitRates,

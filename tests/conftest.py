@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from runtime.tiny_checkpoint import FAMILIES, make_tiny
+from runtime.checkpoints.tiny import FAMILIES, make_tiny
 from storage.packer import convert
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Experts live on disk and the loader fetches them."
@@ -74,7 +74,7 @@ def tree_digest(path: Path) -> str:
 
 def run_cli(args: list[str]) -> tuple[int, str, str]:
     """Run `specmoe ARGS` in-process; returns (exit code, stdout, stderr)."""
-    from runtime.cli import main
+    from runtime.cli.app import main
 
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.budget import parse_budget, plan_budget
+from runtime.cache.budget import parse_budget, plan_budget
 
 LAYERS = {0: 1000, 1: 1000, 2: 1000}  # bytes per expert
 EXPERTS = {0: 64, 1: 64, 2: 64}

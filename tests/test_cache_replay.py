@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.cache_replay import allocate_slots, belady, miss_curve, replay
+from runtime.tune.replay import allocate_slots, belady, miss_curve, replay
 
 
 def _seq(*rows):
@@ -63,7 +63,7 @@ def test_replay_equals_the_live_cache(tiny_dirs):
     from mlx_lm.generate import generate_step
     import mlx.core as mx
 
-    from runtime.offloaded_model import OffloadConfig, OffloadedModel
+    from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 
     for policy in ("lru", "lfu"):
         om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%", policy=policy, trace=True))

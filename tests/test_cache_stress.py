@@ -16,8 +16,8 @@ import zlib
 import numpy as np
 import pytest
 
-from runtime.expert_cache import ExpertCache
-from runtime.slot_table import FREE, LOADING, VALID
+from runtime.cache.expert_cache import ExpertCache
+from runtime.cache.slot_table import FREE, LOADING, VALID
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.faults import FaultyReader
 from storage.reader import RangeReader

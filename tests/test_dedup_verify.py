@@ -145,7 +145,7 @@ def test_dedup_switch_glu_returns_what_switch_returns(dtype, shape):
 
 def test_dedup_switch_glu_on_a_cache_backed_switch():
     """The module CachedSwitchGLU builds over its slabs is accepted as is."""
-    from runtime.cached_switch import slab_switch_glu
+    from runtime.cache.cached_switch import slab_switch_glu
     from storage.layout import LayerLayout, QuantSpec
 
     quant = {p: QuantSpec(64, 4, "affine") for p in ("gate_proj", "up_proj", "down_proj")}
@@ -348,7 +348,7 @@ def test_kernel_source_emulated_on_cpu_matches_reference(tmp_path, bits, group_s
 
 
 def test_selfcheck_command_prints_a_report(tmp_path):
-    from runtime.cmd_selfcheck import register
+    from runtime.cli.selfcheck import register
 
     app = typer.Typer()
     register(app)
@@ -365,7 +365,7 @@ def test_selfcheck_command_prints_a_report(tmp_path):
 
 
 def test_selfcheck_command_rejects_bad_shapes():
-    from runtime.cmd_selfcheck import register
+    from runtime.cli.selfcheck import register
 
     app = typer.Typer()
     register(app)

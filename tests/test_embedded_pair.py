@@ -7,9 +7,9 @@ from importlib.resources import files
 import numpy as np
 import pytest
 
-from runtime.embedded import embedded_pair
-from runtime.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.profile_run import analyse, run_workload, trace_of
+from runtime.checkpoints.embedded import embedded_pair
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.observe.profile import analyse, run_workload, trace_of
 
 
 def _texts(n_chars: int = 6000) -> list[str]:
@@ -51,8 +51,8 @@ def test_routing_is_realistic(pair):
 
 def _forecast_quality(pair, drafter, predictor: str, **kw) -> tuple[float, float]:
     """(recall, experts forecast per layer per round) over three held-out prompts of 24 tokens at 50%."""
-    from runtime.draft_setup import load_drafter
-    from runtime.spec_run import run_speculative
+    from runtime.decode.pairing import load_drafter
+    from runtime.decode.speculative_run import run_speculative
 
     hits = actual = forecast = rounds = 0
     for prompt in _texts(1500)[:3]:

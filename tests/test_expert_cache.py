@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.cache_policy import LFUAgingPolicy, LRUPolicy, make_policy
-from runtime.expert_cache import ExpertCache
-from runtime.slot_table import FREE, VALID, SlotTable
+from runtime.cache.policy import LFUAgingPolicy, LRUPolicy, make_policy
+from runtime.cache.expert_cache import ExpertCache
+from runtime.cache.slot_table import FREE, VALID, SlotTable
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.reader import RangeReader
 

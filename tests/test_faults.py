@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.expert_cache import ExpertCache
-from runtime.slot_table import VALID
+from runtime.cache.expert_cache import ExpertCache
+from runtime.cache.slot_table import VALID
 from tests.conftest import expert_views as _views
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.faults import FaultSpec, FaultyReader, parse_faults
@@ -68,18 +68,18 @@ FAULT_CASES = [
 
 
 def _load(path: Path, verify: bool = True):
-    from runtime.offloaded_model import OffloadConfig, OffloadedModel
+    from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 
     return OffloadedModel.load(path, OffloadConfig(budget=BUDGET, verify_checksums=verify, threads=2))
 
 
 def _generate(om, ids: list[int], drafter, on_token) -> None:
     if drafter is None:
-        from runtime.generation import generate_tokens
+        from runtime.decode.plain import generate_tokens
 
         generate_tokens(om.model, ids, max_tokens=N_TOKENS, om=om, on_token=on_token)
     else:
-        from runtime.spec_run import run_speculative
+        from runtime.decode.speculative_run import run_speculative
 
         run_speculative(om, None, ids, max_tokens=N_TOKENS, num_draft=3, predictor="previous", cutoff=None,
                         on_token=on_token, draft_model=drafter[0], draft_config=drafter[1])
@@ -166,7 +166,7 @@ def fault_paths(tiny_dirs, packed_dirs) -> dict[str, Path]:
 def drafter(tmp_path_factory):
     from mlx_lm import load
 
-    from runtime.tiny_checkpoint import make_tiny
+    from runtime.checkpoints.tiny import make_tiny
     from tests.conftest import TINY
 
     path = make_tiny(tmp_path_factory.mktemp("fault-drafter") / "d", "qwen3", seed=9, layers=TINY["layers"])

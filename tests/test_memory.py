@@ -6,8 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from runtime.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.tiny_checkpoint import make_tiny
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.checkpoints.tiny import make_tiny
 from tests.conftest import greedy_ids
 
 

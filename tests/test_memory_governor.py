@@ -11,9 +11,9 @@ import numpy as np
 import psutil
 import pytest
 
-from runtime.expert_cache import ExpertCache
-from runtime.memory_governor import GovernorConfig, MemoryGovernor, MemoryReading, decide, read_memory
-from runtime.slot_table import FREE, LOADING
+from runtime.cache.expert_cache import ExpertCache
+from runtime.cache.governor import GovernorConfig, MemoryGovernor, MemoryReading, decide, read_memory
+from runtime.cache.slot_table import FREE, LOADING
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig
 from storage.layout import ExpertTensor, LayerLayout
 from tests.conftest import PROMPT, greedy_ids
@@ -203,8 +203,8 @@ def test_a_failing_reading_is_skipped():
 def test_tokens_unchanged_while_the_governor_resizes(tiny_dirs, packed_dirs, speculative):
     from mlx_lm import load
 
-    from runtime.offloaded_model import OffloadConfig, OffloadedModel
-    from runtime.spec_run import run_speculative
+    from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+    from runtime.decode.speculative_run import run_speculative
 
     path = packed_dirs["qwen3_moe"]
     stock, tok = load(str(tiny_dirs["qwen3_moe"]))
@@ -260,7 +260,7 @@ def _spec_with_ticks(om, ids, drafter, tick, run_speculative):
 
 
 def test_offload_config_governor_runs_a_thread_until_close(packed_dirs):
-    from runtime.offloaded_model import OffloadConfig, OffloadedModel
+    from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 
     om = OffloadedModel.load(packed_dirs["qwen3_moe"], OffloadConfig(budget="50%", governor=GovernorConfig(interval_s=0.05)))
     thread = om.governor._thread

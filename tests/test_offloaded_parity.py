@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from mlx_lm import load
 
-from runtime.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.tiny_checkpoint import FAMILIES
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.checkpoints.tiny import FAMILIES
 from tests.conftest import PROMPT, greedy_ids
 
 BUDGETS = ["100%", "50%", "25%", "min"]

@@ -11,21 +11,21 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from runtime import plan_cli
-from runtime.budget import BudgetSpec
-from runtime.mac_profiles import GIB, MIB, known_chips, mac_profile, measured_profile
-from runtime.model_costs import (
+from runtime.cli import plan as plan_cli
+from runtime.cache.budget import BudgetSpec
+from runtime.plan.mac_profiles import GIB, MIB, known_chips, mac_profile, measured_profile
+from runtime.plan.model_costs import (
     affine_bytes_per_weight,
     load_model_config,
     model_costs,
     preset,
     preset_names,
 )
-from runtime.planner import (
+from runtime.plan.planner import (
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,
     HitRates,
-    SpecConfig,
+    SpecAssumptions,
     forward_time,
     hit_rates,
     plan_memory,
@@ -182,7 +182,7 @@ def test_speculation_decomposition():
     model, mac, constants = costs("qwen3-30b-a3b"), mac_profile("m4pro-48gb"), CostConstants()
     hits = HitRates(1.0, 0.0, "t")
     base = project(model, mac, hits, constants)
-    good = project(model, mac, hits, constants, spec=SpecConfig(3, 0.75, 300_000_000))
+    good = project(model, mac, hits, constants, spec=SpecAssumptions(3, 0.75, 300_000_000))
     assert good.spec.tokens_per_round == pytest.approx(2.73, abs=0.01)
     assert good.spec.unique_experts_per_layer == pytest.approx(29.1, abs=0.05)
     # The verify ratio is the 4-token forward (loader overlapping the drafter) over the 1-token one:
@@ -193,7 +193,7 @@ def test_speculation_decomposition():
     assert base.step.total_ms < verify4.total_ms < 4 * base.step.total_ms
     assert good.tok_per_s == pytest.approx(base.tok_per_s * good.spec.speedup, rel=1e-9)
     assert good.tok_per_s > base.tok_per_s  # per-layer syncs are amortised over accepted tokens
-    hopeless = project(model, mac, hits, constants, spec=SpecConfig(3, 0.0, 300_000_000))
+    hopeless = project(model, mac, hits, constants, spec=SpecAssumptions(3, 0.0, 300_000_000))
     assert hopeless.tok_per_s < base.tok_per_s
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.mac_profiles import GIB, measured_profile
-from runtime.model_costs import model_costs
-from runtime.planner import CostConstants, HitRates, forward_time
+from runtime.plan.mac_profiles import GIB, measured_profile
+from runtime.plan.model_costs import model_costs
+from runtime.plan.planner import CostConstants, HitRates, forward_time
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = {  # the bench's synthetic qwen3_moe: 8 layers x 64 experts, top-4, hidden 256

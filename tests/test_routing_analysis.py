@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.routing_analysis import (
+from runtime.observe.analysis import (
     independence_overlap, independence_unique, layer_report, overlap, popularity, shuffled, unique_in_windows,
     uniform_overlap, verify_cost_ratios,
 )
-from runtime.routing_math import saturation_threshold, uniform_unique_experts
+from runtime.observe.routing_math import saturation_threshold, uniform_unique_experts
 
 
 def test_identical_consecutive_routing_overlaps_fully():

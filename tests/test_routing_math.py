@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.routing_math import (
+from runtime.observe.routing_math import (
     expected_tokens_per_round,
     fit_power_law_exponent,
     power_law_hit_rate,

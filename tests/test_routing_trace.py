@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from runtime.routing_trace import MAGIC, RoutingTrace
+from runtime.observe.trace import MAGIC, RoutingTrace
 
 MODEL = {"name": "m", "model_type": "qwen3_moe", "digest": "abc", "n_experts": 64, "top_k": 4, "moe_layers": [0, 1, 2]}
 

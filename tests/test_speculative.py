@@ -10,12 +10,12 @@ import pytest
 from mlx_lm import load
 
 from predictor.oracle import RoutingRecorder
-from runtime.draft_setup import build_predictor, make_drafter
-from runtime.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.sampling import accept_sampled, probabilities
-from runtime.spec_run import run_speculative
-from runtime.speculative import SpecConfig, SpeculativeDecoder
-from runtime.tiny_checkpoint import make_tiny
+from runtime.decode.pairing import build_predictor, make_drafter
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.sampling import accept_sampled, probabilities
+from runtime.decode.speculative_run import run_speculative
+from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
+from runtime.checkpoints.tiny import make_tiny
 from tests.conftest import PROMPT, TINY, greedy_ids
 
 N = 20

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from runtime.tiny_checkpoint import make_tiny, write_tokenizer
+from runtime.checkpoints.tiny import make_tiny, write_tokenizer
 from tests.conftest import TINY, run_cli
 
 
@@ -33,7 +33,7 @@ def test_speculative_generate_reports_acceptance_and_prefetch(tiny_dirs, drafter
     result = json.loads(out.read_text())
     assert len(result["tokens"]) == 12 and result["predictor"] == "spmoe"
     assert result["stats"]["n_rounds"] >= 1 and 0 <= result["stats"]["recall"] <= 1
-    assert 0 <= result["stats"]["optimistic_fallbacks"] <= result["stats"]["optimistic_tries"] <= result["stats"]["n_rounds"]
+    assert 0 <= result["stats"]["one_sync_fallbacks"] <= result["stats"]["one_sync_tries"] <= result["stats"]["n_rounds"]
     plain = tmp_path / "p.json"
     run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "The quick brown fox", "-n", "12",
              "--budget", "50%", "--json", str(plain), "--raw-prompt"])
@@ -53,7 +53,7 @@ def test_drafter_with_another_tokenizer(tiny_dirs, drafter_dir, tmp_path):
     (["--cutoff", "99"], "--cutoff 99 is beyond the model's 3 MoE layers"),
     (["--predictor", "psychic"], "--predictor 'psychic'"),
     (["--forecast-k", "0"], "--forecast-k 0; expected 1..32"),
-    (["--optimistic", "maybe"], "--optimistic 'maybe'; expected auto, on or off"),
+    (["--one-sync", "maybe"], "--one-sync 'maybe'; expected auto, on or off"),
 ])
 def test_bad_speculative_flags(tiny_dirs, drafter_dir, args, needle):
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "--draft", str(drafter_dir), *args])

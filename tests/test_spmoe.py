@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from mlx_lm import load
 
-from runtime.draft_setup import build_predictor, make_drafter
-from runtime.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.tiny_checkpoint import make_tiny
+from runtime.decode.pairing import build_predictor, make_drafter
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.checkpoints.tiny import make_tiny
 from tests.conftest import PROMPT, TINY
 
 
@@ -40,7 +40,7 @@ def test_router_bank_matches_the_layer_modules(tmp_path):
 
     from predictor.projection import Projections
     from predictor.router_bank import RouterBank
-    from runtime.embedded import embedded_pair
+    from runtime.checkpoints.embedded import embedded_pair
 
     om = OffloadedModel.load(embedded_pair().target, OffloadConfig(budget="25%"))
     try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from runtime.tiny_checkpoint import make_tiny
+from runtime.checkpoints.tiny import make_tiny
 from storage import ExpertKey, ExpertStore, StoreError
 from storage.packer import convert
 
@@ -102,7 +102,7 @@ def test_index_path_escaping_the_directory_is_refused(tmp_path, tiny_qwen):
 
 
 def test_incomplete_store_does_not_open(tmp_path, tiny_qwen):
-    from runtime.offloaded_model import OffloadedModel
+    from runtime.decode.offloaded_model import OffloadedModel
 
     packed = convert(tiny_qwen, tmp_path / "packed")
     (packed / "store.json").unlink()
@@ -112,7 +112,7 @@ def test_incomplete_store_does_not_open(tmp_path, tiny_qwen):
 
 
 def test_convert_carries_projection_files_along(tmp_path, tiny_qwen):
-    from runtime.draft_setup import default_projection_path
+    from runtime.decode.pairing import default_projection_path
 
     projection = default_projection_path(tiny_qwen, {"model_type": "qwen3", "hidden_size": 64})
     projection.write_bytes(b"projection bytes")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from runtime.generation import generate_tokens
-from runtime.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.spec_run import run_speculative
+from runtime.decode.plain import generate_tokens
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.speculative_run import run_speculative
 from tests.conftest import PROMPT, run_cli
 
 
@@ -84,8 +84,8 @@ def test_profile_cli_end_to_end(tiny_dirs, tmp_path):
 
 
 def test_round_records_are_bounded_but_totals_are_not():
-    from runtime.expert_cache import CallStats
-    from runtime.telemetry import Telemetry
+    from runtime.cache.expert_cache import CallStats
+    from runtime.observe.telemetry import Telemetry
 
     tel = Telemetry([0, 1], max_rounds=10)
     call = [CallStats(3, 1, 0, 100, 0.5)]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime.tiny_checkpoint import make_tiny
+from runtime.checkpoints.tiny import make_tiny
 from tests.conftest import TINY, run_cli
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime.tuner import (
+from runtime.tune.tuner import (
     Measurement, Setting, analytic_cutoff_bound, choose, cutoff_grid, load_tuning, refine, save_tuning, tuning_key,
 )
 
@@ -74,7 +74,7 @@ def test_tuning_file_keyed_and_stale_entries_ignored(tmp_path):
 
 
 def test_median_of_passes():
-    from runtime.tuner import median_measurement
+    from runtime.tune.tuner import median_measurement
 
     m = median_measurement([_m(2, 10.0), _m(2, 14.0), _m(2, 11.0)])
     assert m.tokens_per_s == 11.0 and m.setting.cutoff == 2

@@ -1,0 +1,32 @@
+"""runtime.cache: the expert cache — which expert sits in which slot of unified memory.
+
+Owns: the slot bookkeeping (`SlotTable`), eviction policies, `ExpertCache` (per-layer slabs filled
+by the storage loader, pins, budget), `CachedSwitchGLU` (the drop-in for mlx-lm's `SwitchGLU` that
+reads the slabs), memory budgets (`--budget`) and the `MemoryGovernor` that shrinks the cache under
+memory pressure.
+
+Invariants kept at this boundary: a slot that a not-yet-evaluated graph reads is pinned and never
+overwritten; a failed or corrupt read never leaves a slot valid; the slabs never exceed the budget.
+"""
+
+from runtime.cache.budget import (
+    HEADROOM_FRACTION,
+    HEADROOM_MIN_BYTES,
+    BudgetPlan,
+    BudgetSpec,
+    format_bytes,
+    kv_bytes_estimate,
+    parse_budget,
+    plan_budget,
+)
+from runtime.cache.cached_switch import CachedSwitchGLU
+from runtime.cache.expert_cache import CallStats, ExpertCache
+from runtime.cache.governor import GovernorConfig, MemoryGovernor
+from runtime.cache.policy import make_policy
+from runtime.cache.slot_table import SlotTable
+
+__all__ = [
+    "HEADROOM_FRACTION", "HEADROOM_MIN_BYTES", "BudgetPlan", "BudgetSpec", "format_bytes", "kv_bytes_estimate",
+    "parse_budget", "plan_budget", "CachedSwitchGLU", "CallStats", "ExpertCache", "GovernorConfig", "MemoryGovernor",
+    "make_policy", "SlotTable",
+]

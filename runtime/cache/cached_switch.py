@@ -1,0 +1,129 @@
+"""CachedSwitchGLU: a drop-in for mlx-lm's SwitchGLU whose experts live in an ExpertCache.
+
+Shapes: N = tokens in the call, k = experts per token, D = hidden, S = cache slots.
+    x: (..., D), indices: (..., k) expert ids  ->  (..., k, D), the SwitchGLU contract.
+
+The module keeps a stock SwitchGLU whose stacked weights are the cache's slabs
+([S, ...] instead of [E, ...]) and calls it with slot ids, so the arithmetic is
+mlx-lm's own and the output is bit-identical to the resident model.
+
+Invariants:
+- Before a call touches the slabs, every earlier output of this module has been
+  evaluated and its slots unpinned (so eviction never races a pending graph).
+- A call whose unique experts exceed the usable slots is split into token groups
+  that each fit; each group is evaluated before the next one may evict its slots.
+- A normal call reads the router's choice back to the host (one sync per MoE layer);
+  inside an OneSyncPass the lookup happens on the device and the pass syncs once.
+- Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
+  unique expert's weights read once per window) where it runs and is self-checked,
+  else the stock SwitchGLU, as single tokens do; all of these are bit-identical.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+
+from metal import window_switch_glu
+from runtime.cache.expert_cache import ExpertCache
+from storage import LayerLayout
+
+
+def slab_switch_glu(layout: LayerLayout, slabs: dict[str, mx.array], activation) -> SwitchGLU:
+    """A stock SwitchGLU whose expert weights are the cache slabs of one layer."""
+    linears = {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        weight = slabs[f"{proj}.weight"]
+        q = layout.quant[proj]
+        out_dims = weight.shape[1]
+        if q is None:
+            lin = SwitchLinear(weight.shape[2], out_dims, 1, bias=False)
+            lin.weight = weight
+        else:
+            in_dims = slabs[f"{proj}.scales"].shape[-1] * q.group_size
+            lin = QuantizedSwitchLinear(in_dims, out_dims, 1, bias=False, group_size=q.group_size, bits=q.bits, mode=q.mode)
+            lin.weight = weight
+            lin.scales = slabs[f"{proj}.scales"]
+            lin.biases = slabs.get(f"{proj}.biases")
+        linears[proj] = lin
+    hidden = linears["gate_proj"].output_dims
+    glu = SwitchGLU(linears["gate_proj"].input_dims, hidden, 1, activation=activation)
+    glu.gate_proj, glu.up_proj, glu.down_proj = linears["gate_proj"], linears["up_proj"], linears["down_proj"]
+    glu.freeze()
+    return glu
+
+
+def split_by_capacity(ids: np.ndarray, capacity: int) -> list[slice]:
+    """Consecutive token ranges of `ids` (N, k) whose unique experts each fit `capacity`."""
+    groups, start, seen = [], 0, set()
+    for t in range(ids.shape[0]):
+        row = set(ids[t].tolist())
+        if len(seen | row) > capacity and t > start:
+            groups.append(slice(start, t))
+            start, seen = t, set()
+        seen |= row
+    groups.append(slice(start, ids.shape[0]))
+    return groups
+
+
+class CachedSwitchGLU(nn.Module):
+    def __init__(self, layer: int, layout: LayerLayout, cache: ExpertCache, activation, observer=None):
+        super().__init__()
+        self.layer = layer
+        self.cache = cache
+        self.observer = observer  # if set: observer(layer, expert_ids (N, k)) on every call (the decoder's)
+        self.telemetry = None  # if set: telemetry.on_call(layer, expert_ids (N, k), [CallStats per group])
+        self.one_sync = None  # an OneSyncPass while one runs: no host sync here (runtime/decode/one_sync.py)
+        self.switch = slab_switch_glu(layout, cache.slabs[layer], activation)
+        self._pending: list[tuple[mx.array, np.ndarray]] = []
+
+    def _release(self) -> None:
+        if self._pending:
+            mx.eval([out for out, _ in self._pending])
+            for _, slots in self._pending:
+                self.cache.unpin(self.layer, slots)
+            self._pending = []
+
+    def _run(self, x: mx.array, ids: np.ndarray, calls: list) -> mx.array:
+        unique = np.unique(ids)
+        slots, stats = self.cache.ensure(self.layer, unique)
+        calls.append(stats)
+        try:
+            slot_ids = self.cache.slot_ids(self.layer, ids)
+            slot_inds = mx.array(slot_ids.astype(np.uint32))
+            # Windows of several tokens (verify, prefill) read each unique expert once; decode keeps stock.
+            n_tokens = slot_ids.size // slot_ids.shape[-1]
+            out = window_switch_glu(self.switch, x, slot_inds) if n_tokens > 1 else self.switch(x, slot_inds)
+        except BaseException:
+            self.cache.unpin(self.layer, slots)
+            raise
+        self._pending.append((out, slots))
+        return out
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        self._release()
+        if self.one_sync is not None:
+            return self.one_sync.layer_call(self, x, indices)
+        self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
+        ids = np.array(indices)  # host sync: which experts this call needs
+        if self.observer is not None:
+            self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))
+        k = ids.shape[-1]
+        flat = ids.reshape(-1, k)
+        groups = split_by_capacity(flat, self.cache.usable_slots(self.layer))
+        calls: list = []
+        if len(groups) == 1:
+            out = self._run(x, ids, calls)
+        else:
+            lead, D = x.shape[:-1], x.shape[-1]
+            xf = x.reshape(-1, D)
+            outs = []
+            for g in groups:
+                outs.append(self._run(xf[g], flat[g], calls))
+                self._release()  # the next group may evict these slots
+            out = mx.concatenate(outs, axis=0).reshape(*lead, k, D)
+        if self.telemetry is not None:
+            self.telemetry.on_call(self.layer, flat, calls)
+        return out

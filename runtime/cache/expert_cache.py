@@ -1,0 +1,411 @@
+"""ExpertCache: per-layer slabs of expert slots in unified memory, filled by the loader.
+
+Each MoE layer owns one slab per expert tensor, shaped [n_slots, *per_expert_shape],
+allocated once. A slot holds one expert's slice of every tensor. The slabs are
+ordinary MLX arrays, so a stock SwitchGLU can run `gather_qmm` on them with slot
+ids in place of expert ids; the loader writes into zero-copy numpy views of them.
+
+Invariants:
+- Bytes of a slot change only while it is loading, i.e. after reserve() and
+  before commit()/abort(); a reserved slot was free or held an unpinned expert.
+- Callers pin every slot a not-yet-evaluated graph may read and unpin after it
+  was evaluated, so a slot a pending graph reads is never overwritten.
+- ensure() returns only after every requested expert is valid, or raises (and
+  then leaves nothing pinned and no failed slot valid).
+- All bookkeeping is serialised by one lock; loads complete on I/O threads.
+- Each loading slot is filled by exactly one ticket (the one recorded when the
+  slot was reserved); a caller needing it waits on that ticket, never a second read.
+- Resizing (the memory governor): only slots [0, usable) are ever filled;
+  request_usable_slots() takes effect at the layer's next usable_slots() call,
+  which CachedSwitchGLU makes once per call after releasing the layer's slots, so
+  a call never sees its capacity shrink under it. Experts left in slots beyond
+  `usable` are evicted as soon as they are unpinned and settled, and the pages of
+  free slots beyond it are handed back to the OS where that is possible.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from runtime.cache.slot_table import FREE, LOADING, VALID, SlotTable
+from storage import AsyncLoader, ExpertKey, LayerLayout
+from storage.loader import DEMAND, PREFETCH, LoadTicket
+
+_MX_DTYPE = {
+    "U8": mx.uint8, "U16": mx.uint16, "U32": mx.uint32, "I8": mx.int8, "I16": mx.int16,
+    "I32": mx.int32, "F16": mx.float16, "F32": mx.float32,
+}
+
+
+@dataclass(frozen=True)
+class CallStats:
+    hits: int  # unique experts already valid or loading
+    misses: int  # unique experts read on demand
+    prefetch_used: int  # hits on experts a prefetch brought in (or was bringing in)
+    bytes_read: int  # bytes of the demand reads
+    stall_ms: float  # time blocked waiting for reads (demand misses and in-flight prefetches)
+
+
+@dataclass
+class ResizeStats:
+    n_shrinks: int = 0  # per-layer resizes that lowered the usable slots
+    n_grows: int = 0  # per-layer resizes that raised them
+    n_evicted: int = 0  # experts evicted because their slot left the usable range
+    bytes_released: int = 0  # slab bytes handed back to the OS (0 where unsupported)
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Give the whole pages inside [address, address + nbytes) back to the OS; returns bytes.
+
+    Linux only: madvise(MADV_DONTNEED) drops private anonymous pages (the slabs'
+    malloc'd memory) and maps zero pages on the next touch. On macOS MLX slabs are
+    Metal shared buffers, for which madvise does not reliably return memory, so we
+    do nothing there and report 0.
+    """
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + nbytes) // _PAGE * _PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return 0
+    import ctypes
+
+    if _libc() is None or _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                          ctypes.c_int(mmap.MADV_DONTNEED)) != 0:
+        return 0
+    return end - start
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def allocate_slab(n_slots: int, shape: tuple[int, ...], dtype: str) -> tuple[mx.array, np.ndarray]:
+    """An evaluated MLX array [n_slots, *shape] and a writable uint8 view [n_slots, nbytes] of it."""
+    full = (n_slots, *shape)
+    if dtype == "BF16":
+        # numpy has no bfloat16: allocate 16-bit storage and view it as bf16 in MLX.
+        base = mx.zeros(full, mx.uint16)
+        mx.eval(base)
+        slab = base.view(mx.bfloat16)
+        mx.eval(slab)
+        host = np.asarray(base)
+    elif dtype in _MX_DTYPE:
+        slab = mx.zeros(full, _MX_DTYPE[dtype])
+        mx.eval(slab)
+        host = np.asarray(slab)
+    else:
+        raise ValueError(f"cannot allocate a slab of dtype {dtype}; expected one of {sorted(_MX_DTYPE) + ['BF16']}")
+    assert host.flags.writeable and host.flags.c_contiguous, "slab view must be writable and contiguous"
+    return slab, host.reshape(n_slots, -1).view(np.uint8)
+
+
+class ExpertCache:
+    """Budgeted per-layer expert slots backed by MLX slabs."""
+
+    def __init__(self, layouts: dict[int, LayerLayout], slots: dict[int, int], loader: AsyncLoader, policy: str = "lru",
+                 min_usable: int = 1):
+        self.layouts = layouts
+        self.loader = loader
+        self.table = SlotTable({l: lay.n_experts for l, lay in layouts.items()}, slots, policy)
+        self.min_usable = min_usable  # resizing never goes below this (the model's top-k: one token's experts)
+        self.resize_stats = ResizeStats()
+        self._lock = threading.RLock()
+        self._protected: dict[ExpertKey, int] = {}  # forecast experts pinned until their layer is verified
+        self._tickets: dict[ExpertKey, LoadTicket] = {}  # the read filling each loading slot
+        self._pending_usable: dict[int, int] = {}  # resizes asked for, applied at the layer's next call
+        self._released = {l: np.zeros(n, bool) for l, n in slots.items()}  # slot pages given back to the OS
+        self.slabs: dict[int, dict[str, mx.array]] = {}
+        self._host: dict[int, list[np.ndarray]] = {}
+        for layer, lay in layouts.items():
+            arrays, hosts = {}, []
+            for t in lay.tensors:
+                arr, host = allocate_slab(slots[layer], t.shape, t.dtype)
+                arrays[t.name] = arr
+                hosts.append(host)
+            self.slabs[layer], self._host[layer] = arrays, hosts
+
+    # -- facts -----------------------------------------------------------------------
+    def n_slots(self, layer: int) -> int:
+        return self.table.layers[layer].n_slots
+
+    def usable_slots(self, layer: int) -> int:
+        """Slots a call of `layer` may fill. A pending resize of the layer takes effect here."""
+        with self._lock:
+            target = self._pending_usable.pop(layer, None)
+            if target is not None:
+                self._resize(layer, target)
+            return self.table.layers[layer].usable
+
+    def layers(self) -> list[int]:
+        """The MoE layers this cache holds slots for, in order."""
+        return list(self.table.layers)
+
+    def total_usable_slots(self) -> int:
+        with self._lock:
+            return sum(ls.usable for ls in self.table.layers.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.n_slots(l) * lay.expert_bytes for l, lay in self.layouts.items())
+
+    def slot_views(self, layer: int, slot: int) -> list[np.ndarray]:
+        return [h[slot] for h in self._host[layer]]
+
+    def stats(self):
+        return {l: ls.stats for l, ls in self.table.layers.items()}
+
+    # -- resizing (memory governor) ------------------------------------------------------
+    def request_usable_slots(self, n: int | dict[int, int]) -> None:
+        """Ask for `n` usable slots (per layer, or the same for all); thread-safe.
+
+        Clamped to [min_usable, n_slots]; applied at each layer's next usable_slots().
+        """
+        with self._lock:
+            for layer in self.table.layers:
+                self._pending_usable[layer] = n[layer] if isinstance(n, dict) else n
+
+    def set_usable_slots(self, n: int | dict[int, int]) -> int:
+        """Resize now; only for callers with no call of these layers in progress (the
+        decode thread between tokens, tests). Returns the experts evicted."""
+        with self._lock:
+            self.request_usable_slots(n)
+            before = self.resize_stats.n_evicted
+            for layer in self.table.layers:
+                self.usable_slots(layer)
+            return self.resize_stats.n_evicted - before
+
+    def _resize(self, layer: int, n: int) -> None:
+        ls = self.table.layers[layer]
+        n = max(min(self.min_usable, ls.n_slots), min(int(n), ls.n_slots))
+        if n == ls.usable:
+            return
+        if n < ls.usable:
+            self.resize_stats.n_shrinks += 1
+        else:
+            self.resize_stats.n_grows += 1
+            self._released[layer][:n] = False  # may be filled again (zero pages until loaded)
+        self.resize_stats.n_evicted += self.table.set_usable(layer, n)
+        self._release_beyond(layer)
+
+    def _settle_beyond(self, layer: int) -> None:
+        """After a release: drop experts left beyond the usable range and free their pages."""
+        ls = self.table.layers[layer]
+        if ls.usable < ls.n_slots:
+            self.resize_stats.n_evicted += self.table.trim(layer)
+            self._release_beyond(layer)
+
+    def _release_beyond(self, layer: int) -> None:
+        ls = self.table.layers[layer]
+        released = self._released[layer]
+        free = [s for s in range(ls.usable, ls.n_slots) if ls.state[s] == FREE and not released[s]]
+        if not free:
+            return
+        # Slots are rows of each slab: release each run of consecutive free slots as one range.
+        runs, start = [], free[0]
+        for a, b in zip(free, free[1:] + [None]):
+            if b != a + 1:
+                runs.append((start, a + 1))
+                start = b
+        for host in self._host[layer]:
+            row = host.shape[1]
+            for a, b in runs:
+                self.resize_stats.bytes_released += release_pages(host.ctypes.data + a * row, (b - a) * row)
+        released[free] = True
+
+    # -- demand path -------------------------------------------------------------------
+    def _submit(self, key: ExpertKey, slot: int, **kw) -> LoadTicket:
+        """Queue the read filling `key`'s reserved slot and remember its ticket (lock held)."""
+        ticket = self.loader.submit(key, self.slot_views(key.layer, slot), on_done=self._on_done, **kw)
+        self._tickets[key] = ticket
+        return ticket
+
+    def _on_done(self, ticket: LoadTicket) -> None:
+        with self._lock:
+            if self._tickets.get(ticket.key) is ticket:
+                del self._tickets[ticket.key]
+            if ticket.error is None and not ticket.cancelled:
+                self.table.commit(ticket.key)
+            else:
+                self.table.abort(ticket.key, cancelled=ticket.cancelled)
+                slot = self._protected.pop(ticket.key, None)
+                if slot is not None:
+                    self.table.unpin(ticket.key.layer, [slot])
+            self._settle_beyond(ticket.key.layer)
+
+    def _await_room(self, layer: int, experts) -> None:
+        """Wait until `layer` can take the absent `experts`: unprotected prefetches still in
+        flight occupy slots nobody may evict, so a call that needs them waits for their
+        reads (promoted to demand) instead of failing for want of a slot."""
+        experts = np.asarray(experts, np.int64)
+        while True:
+            with self._lock:
+                ls = self.table.layers[layer]
+                n_absent = int((ls.expert_to_slot[experts] < 0).sum())
+                if n_absent == 0:
+                    return
+                state, pins, owner = ls.state[: ls.usable], ls.pins[: ls.usable], ls.slot_to_expert[: ls.usable]
+                others = ~np.isin(owner, experts)
+                room = int(((state == FREE) | ((state == VALID) & (pins == 0) & others)).sum())
+                busy = np.flatnonzero((state == LOADING) & (pins == 0) & others)
+                if n_absent <= room or not len(busy):
+                    return  # enough room, or nothing to wait for (request() reports the shortage)
+                waits = [t for t in (self._tickets.get(ExpertKey(layer, int(owner[s]))) for s in busy) if t is not None]
+                for t in waits:
+                    self.loader.promote(t)
+            if not waits:
+                return
+            for t in waits:
+                try:
+                    t.wait()
+                except Exception:
+                    pass  # a failed prefetch frees its slot all the same; its error is not this call's
+
+    # -- prefetch path -------------------------------------------------------------------
+    def prefetch(self, keys: list[ExpertKey], round_id: int, max_bytes: int | None = None) -> int:
+        """Queue reads of the `keys` not resident (earlier layers first) and protect every
+        key from eviction until unprotect(layer). Returns the bytes queued."""
+        queued = 0
+        with self._lock:
+            for key in keys:
+                if key in self._protected:
+                    continue
+                ls = self.table.layers[key.layer]
+                slot = int(ls.expert_to_slot[key.expert])
+                if slot < 0:
+                    nbytes = self.layouts[key.layer].expert_bytes
+                    if max_bytes is not None and queued + nbytes > max_bytes:
+                        continue
+                    slot = self.table.reserve(key, prefetch=True)
+                    if slot is None:
+                        continue  # every slot of the layer is in use: skip, demand will load it
+                    self.table.pin(key.layer, [slot])
+                    self._protected[key] = slot
+                    self._submit(key, slot, priority=PREFETCH + key.layer, round_id=round_id)
+                    queued += nbytes
+                else:
+                    self.table.pin(key.layer, [slot])
+                    self._protected[key] = slot
+        return queued
+
+    def unprotect(self, layer: int | None = None) -> None:
+        """End the protection of forecast experts of `layer` (all layers if None)."""
+        with self._lock:
+            for key in [k for k in self._protected if layer is None or k.layer == layer]:
+                self.table.unpin(key.layer, [self._protected.pop(key)])
+                self._settle_beyond(key.layer)
+
+    def ensure(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, CallStats]:
+        """Make `experts` (unique ids) valid in `layer`; returns their slots, pinned, and what it took.
+
+        The caller must unpin(layer, slots) once every graph reading them is evaluated.
+        """
+        tickets, pinned = [], []
+        self._await_room(layer, experts)
+        try:
+            with self._lock:
+                ls = self.table.layers[layer]
+                used_before = ls.stats.prefetch_hits
+                present, absent, pinned = self.table.request(layer, experts)
+                prefetch_used = ls.stats.prefetch_hits - used_before
+                for e in present:
+                    slot = int(ls.expert_to_slot[e])
+                    if ls.state[slot] == LOADING:
+                        # An in-flight prefetch: wait for its own ticket, now at demand priority.
+                        # (Submitting again could start a second read of a slot the first one is
+                        # about to commit.)
+                        key = ExpertKey(layer, e)
+                        ticket = self._tickets.get(key) or self._submit(key, slot, priority=DEMAND)
+                        self.loader.promote(ticket)
+                        tickets.append(ticket)
+                for e in absent:
+                    tickets.append(self._submit(ExpertKey(layer, e), int(ls.expert_to_slot[e]), priority=DEMAND))
+            t0 = time.perf_counter()
+            self.loader.wait_all(tickets)
+            stall_ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0
+            with self._lock:
+                slots = ls.expert_to_slot[np.asarray(experts, np.int64)].copy()
+                assert (slots >= 0).all() and (ls.state[slots] == VALID).all(), "ensure() returned an invalid slot"
+            stats = CallStats(len(present), len(absent), prefetch_used, len(absent) * self.layouts[layer].expert_bytes, stall_ms)
+            return slots, stats
+        except BaseException:
+            with self._lock:
+                if pinned:
+                    self.table.unpin(layer, pinned)
+            raise
+
+    # -- one_sync passes (runtime/decode/one_sync.py) --------------------------------------------
+    def settle_inflight(self) -> float:
+        """Wait for every read in flight or queued (prefetches) so their slots count as
+        resident; returns the ms spent waiting. Failed prefetches are not errors here."""
+        with self._lock:
+            tickets = list(self._tickets.values())
+            for t in tickets:
+                self.loader.promote(t)
+        t0 = time.perf_counter()
+        for t in tickets:
+            try:
+                t.wait()
+            except Exception:
+                pass  # its slot was freed; a call needing the expert reads it again
+        return (time.perf_counter() - t0) * 1e3 if tickets else 0.0
+
+    def freeze_resident(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Pin every valid slot and return, per layer, (expert -> slot or -1 table, pinned slots).
+
+        While frozen no valid slot can be evicted, so a graph built from the tables reads
+        exactly the experts they name; thaw() with the returned value ends it.
+        """
+        out = {}
+        with self._lock:
+            for layer, ls in self.table.layers.items():
+                valid = np.flatnonzero(ls.state == VALID)
+                self.table.pin(layer, valid)
+                table = np.full(ls.expert_to_slot.shape, -1, np.int32)
+                table[ls.slot_to_expert[valid]] = valid
+                out[layer] = (table, valid)
+        return out
+
+    def thaw(self, frozen: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        with self._lock:
+            for layer, (_, pinned) in frozen.items():
+                self.table.unpin(layer, pinned)
+                self._settle_beyond(layer)
+
+    def record_resident_use(self, layer: int, experts: np.ndarray) -> CallStats:
+        """The bookkeeping of a call whose experts (unique ids) were all resident and frozen:
+        hits, recency and prefetch use, as ensure() records them, with nothing read."""
+        with self._lock:
+            ls = self.table.layers[layer]
+            used_before = ls.stats.prefetch_hits
+            present, absent, pinned = self.table.request(layer, experts)
+            self.table.unpin(layer, pinned)
+            assert not absent, "record_resident_use() of an expert that was not resident"
+            return CallStats(len(present), 0, ls.stats.prefetch_hits - used_before, 0, 0.0)
+
+    def unpin(self, layer: int, slots) -> None:
+        with self._lock:
+            self.table.unpin(layer, slots)
+            self._settle_beyond(layer)
+
+    def slot_ids(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
+        """Map expert ids (any shape) to slot ids; every id must be resident."""
+        with self._lock:
+            slots = self.table.layers[layer].expert_to_slot[expert_ids]
+        assert (slots >= 0).all(), "slot_ids() of a non-resident expert"
+        return slots

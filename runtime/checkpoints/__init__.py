@@ -1,0 +1,14 @@
+"""runtime.checkpoints: model directories this package makes or ships.
+
+Owns: tiny real-layout checkpoints built with mlx-lm's own model classes (`specmoe make-tiny`, the
+test fixtures), the embedded trained pair shipped as package data, and weight fingerprints.
+
+Invariants kept at this boundary: nothing here downloads; a tiny checkpoint is written in the same
+layout as an mlx-community conversion of its family.
+"""
+
+from runtime.checkpoints.embedded import EmbeddedPair, embedded_pair
+from runtime.checkpoints.fingerprint import model_fingerprint
+from runtime.checkpoints.tiny import make_tiny
+
+__all__ = ["EmbeddedPair", "embedded_pair", "model_fingerprint", "make_tiny"]

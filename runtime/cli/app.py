@@ -1,0 +1,65 @@
+"""The `specmoe` command line (typer). Each command group lives in its own module of runtime/cli/.
+
+Invariant: bad input ends in one line on stderr naming what was wrong and what was
+expected, exit code 2, and no traceback unless --debug is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+import typer
+
+app = typer.Typer(
+    name="specmoe",
+    help="Run Mixture-of-Experts models larger than memory: experts paged from SSD into a budgeted cache, "
+    "speculative decoding with expert prefetch, output identical to the resident model.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs.")):
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _register() -> None:
+    from runtime.cli import demo, generate, plan, profile, selfcheck, store, tune
+
+    for group in (demo, selfcheck, generate, store, profile, tune, plan):
+        group.register(app)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        rv = app(args=args, prog_name="specmoe", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0  # typer.Exit(code) comes back as a return value
+    except (typer.Exit, click.exceptions.Exit) as e:
+        return e.exit_code
+    except (typer.Abort, click.exceptions.Abort, KeyboardInterrupt):
+        print("specmoe: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except Exception as e:
+        # Usage errors (typer vendors its own click, so match by shape, not class).
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
+            e.show()
+            return 2
+        if debug or not isinstance(e, (ValueError, OSError, RuntimeError)):
+            raise
+        print(f"specmoe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

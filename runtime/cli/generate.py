@@ -1,0 +1,169 @@
+"""`specmoe generate` and `specmoe calibrate`: text from an offloaded model, plain or speculative."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from runtime.cache import format_bytes
+from runtime.observe import console, err_console, write_json
+
+
+def describe_plan(om) -> str:
+    plan = om.plan
+    slots = sorted(set(plan.slots.values()))
+    lines = [
+        f"budget: {format_bytes(plan.budget_bytes)} for experts = {'/'.join(map(str, slots))} slots x {len(plan.slots)} MoE layers "
+        f"({plan.fraction:.0%} of {format_bytes(plan.expert_bytes_total)} of experts; minimum {format_bytes(plan.min_bytes)})",
+        f"resident weights: {format_bytes(om.store.resident_bytes)} | store: {om.store.kind} {om.store.model_dir}",
+    ]
+    if plan.breakdown:
+        lines.append("auto: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.breakdown.items() if v))
+    return "\n".join(lines)
+
+
+def spec_line(stats, prefetch_layers) -> str:
+    c = stats.counters
+    n = max(1, stats.n_tokens)
+    expert_bytes = c.get("bytes_read", 0)
+    return (f"{stats.n_tokens / stats.decode_s if stats.decode_s else 0:.1f} tok/s | acceptance {stats.acceptance:.0%} | "
+            f"{stats.tokens_per_verify:.2f} tokens/verify | hit rate {c['hits'] / max(1, c['hits'] + c['misses']):.1%} | "
+            f"{c['misses'] / n:.2f} misses/token | {expert_bytes / 1e6 / n:.3f} MB read/token | "
+            f"prefetch used {c['prefetch_hits']} / wasted {c['prefetch_wasted'] + c['prefetch_cancelled']} experts | "
+            f"forecast recall {stats.recall(prefetch_layers or None):.0%} | "
+            f"one-sync verifies {stats.one_sync_tries - stats.one_sync_fallbacks}/{stats.n_rounds}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def generate(
+        model: Path = typer.Option(..., "--model", "-m", help="mlx-lm checkpoint directory or a store made by `specmoe convert`."),
+        prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
+        budget: str = typer.Option("50%", "--budget", "-b", help="Expert cache size: 6GB, 512MiB, 40% (of expert bytes) or auto."),
+        max_tokens: int = typer.Option(100, "--max-tokens", "-n", min=1, help="Tokens to generate."),
+        temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature; 0 is greedy."),
+        top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
+        seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
+        draft: Path = typer.Option(None, "--draft", help="Drafter (mlx-lm model dir sharing the tokenizer): enables speculative decoding."),
+        num_draft: int = typer.Option(None, "--num-draft", "-k", help="Tokens the drafter proposes per round (K; default: tuned, else 4)."),
+        predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, oracle (default: tuned, else spmoe)."),
+        cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, else all)."),
+        forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default the model's k; 2k covers more, reads more)."),
+        projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
+        max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
+        one_sync: str = typer.Option("auto", "--one-sync",
+                                       help="Run a decode step or verify pass with one host sync when its experts "
+                                            "are resident: auto (when its measured saving beats its failures), on, off."),
+        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, else lru)."),
+        io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
+        threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
+        verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
+        chat: bool = typer.Option(True, "--chat/--raw-prompt", help="Apply the tokenizer's chat template if it has one."),
+        json_path: Path = typer.Option(None, "--json", help="Write the text and stats as JSON to this path."),
+        governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
+                                      help="Shrink the expert cache while available RAM is low; grow it back after."),
+        inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
+    ):
+        """Generate text with routed experts paged from disk into a fixed-budget cache."""
+        import mlx.core as mx
+
+        from runtime.decode import encode_prompt, generate_tokens
+        from runtime.decode import OffloadConfig, OffloadedModel
+
+        if num_draft is not None and num_draft < 1:
+            raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
+        if draft is not None:
+            from runtime.tune import resolve_settings
+
+            num_draft, predictor, cutoff, policy, note = resolve_settings(model, draft, budget, num_draft, predictor, cutoff, policy)
+            if note:
+                err_console.print(note, highlight=False)
+        policy = policy or "lru"
+        mx.random.seed(seed)
+        from runtime.cache import GovernorConfig
+
+        om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy, threads=threads, io_mode=io_mode,
+                                                      verify_checksums=verify, governor=GovernorConfig() if governor else None,
+                                                      inject=inject or ""))
+        try:
+            err_console.print(describe_plan(om), highlight=False)
+            ids = encode_prompt(om.tokenizer, prompt, chat=chat)
+            detok = om.tokenizer.detokenizer
+            detok.reset()
+
+            def show(token: int) -> None:
+                detok.add_token(token)
+                sys.stdout.write(detok.last_segment)
+                sys.stdout.flush()
+
+            eos = set(om.tokenizer.eos_token_ids)
+            result = {"model": str(model), "budget": budget, "budget_bytes": om.plan.budget_bytes, "slots": om.plan.slots}
+            if draft is None:
+                tokens, stats = generate_tokens(om.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                                                eos_ids=eos, om=om, on_token=show, one_sync=one_sync)
+                line, result["stats"] = stats.line(), stats.to_json()
+            else:
+                from runtime.decode import run_speculative
+
+                tokens, stats, prefetch_layers = run_speculative(
+                    om, draft, ids, max_tokens=max_tokens, num_draft=num_draft, predictor=predictor, cutoff=cutoff,
+                    projection=projection, temp=temp, top_p=top_p, seed=seed, eos_ids=eos, on_token=show,
+                    max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
+                    one_sync=one_sync, forecast_k=forecast_k)
+                line, result["stats"] = spec_line(stats, prefetch_layers), stats.to_json()
+                result.update(draft=str(draft), num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy)
+            detok.finalize()
+            sys.stdout.write(detok.last_segment + "\n")
+            err_console.print(line, highlight=False)
+            if json_path:
+                result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
+                if om.governor is not None:
+                    result["governor"] = {**om.governor.stats.to_json(), **om.governor.counters()}
+                write_json(json_path, result)
+        finally:
+            om.close()
+
+    @app.command()
+    def calibrate(
+        model: Path = typer.Option(..., "--model", "-m", help="Target checkpoint or store."),
+        draft: Path = typer.Option(..., "--draft", help="Drafter model directory."),
+        out: Path = typer.Option(None, "--out", help="Projection file to write (default: next to the target, named for the drafter)."),
+        text: Path = typer.Option(None, "--text", help="Calibration text file (default: the built-in sample, fine for tiny models only)."),
+        max_tokens: int = typer.Option(8192, "--tokens", min=512, help="Calibration tokens to use at most."),
+        budget: str = typer.Option("50%", "--budget", "-b", help="Expert cache size while calibrating."),
+    ):
+        """Fit per-layer drafter->target projections for spmoe forecasting (ridge regression)."""
+        from rich.progress import Progress
+        from rich.table import Table
+
+        from runtime.tune import calibrate as fit
+        from runtime.decode import default_projection_path, load_drafter
+        from runtime.decode import OffloadConfig, OffloadedModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # long calibration texts exceed model_max_length on purpose
+        om = OffloadedModel.load(model, OffloadConfig(budget=budget))
+        try:
+            draft_model, draft_config = load_drafter(draft, om)
+            if text is None:
+                from importlib.resources import files
+
+                corpus = (files("runtime") / "data" / "calibration.txt").read_text()
+            else:
+                corpus = text.read_text(encoding="utf-8", errors="replace")
+            with Progress(console=err_console, transient=True) as bar:
+                task = bar.add_task("calibrating", total=min(max_tokens, len(om.tokenizer.encode(corpus))))
+                proj, report = fit(om, draft_model, draft_config, corpus, max_tokens=max_tokens,
+                                   progress=lambda n: bar.advance(task, n))
+            path = out or default_projection_path(om.store.model_dir, draft_config)
+            proj.save(path)
+            table = Table(title=f"projection fit on {report.n_tokens} tokens (held-out)")
+            table.add_column("layer"), table.add_column("R^2"), table.add_column("router top-k agreement")
+            for l in sorted(report.r2):
+                table.add_row(str(l), f"{report.r2[l]:.3f}", f"{report.agreement[l]:.1%}")
+            console.print(table)
+            err_console.print(f"wrote {path}")
+        finally:
+            om.close()

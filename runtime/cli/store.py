@@ -1,0 +1,104 @@
+"""`specmoe convert`, `specmoe info`, `specmoe make-tiny`: checkpoints and stores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from runtime.cache import format_bytes, kv_bytes_estimate, parse_budget, plan_budget
+from runtime.observe import console, err_console, write_json
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def convert(
+        src: Path = typer.Argument(..., help="mlx-lm checkpoint directory (single or sharded safetensors)."),
+        dst: Path = typer.Argument(..., help="Directory to create for the packed store."),
+        force: bool = typer.Option(False, "--force", help="Replace DST if it exists (atomically)."),
+    ):
+        """Pack a checkpoint: one contiguous, 16 KiB-aligned, checksummed record per expert."""
+        from runtime.decode import check_supported
+        from storage import ExpertStore
+        from storage.packer import convert as pack
+
+        source = ExpertStore.open(src)
+        check_supported(source.config, src / "config.json")
+        source.close()
+        if dst.exists() and not force:
+            raise ValueError(f"destination {dst} exists; pass --force to replace it")
+        with Progress(TextColumn("[bold]packing experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=err_console, transient=False) as bar:
+            task = bar.add_task("pack", total=None)
+            pack(src, dst, force=force, on_start=lambda total: bar.update(task, total=total),
+                 progress=lambda n: bar.advance(task, n))
+        err_console.print(f"wrote {dst}")
+
+    @app.command()
+    def info(
+        model: Path = typer.Argument(..., help="mlx-lm checkpoint directory or specmoe store."),
+        budget: str = typer.Option(None, "--budget", "-b", help="Also show what fits this budget (6GB, 40%, auto)."),
+        json_path: Path = typer.Option(None, "--json", help="Write the facts as JSON to this path."),
+    ):
+        """Layers, experts, bytes per expert, resident vs expert bytes, and what fits a budget."""
+        from runtime.decode import check_supported, text_config, top_k
+        from storage import ExpertStore
+
+        store = ExpertStore.open(model)
+        try:
+            cfg = text_config(store.config)
+            layouts = store.layouts()
+            first = next(iter(layouts.values()), None)
+            facts = {
+                "path": str(model), "kind": store.kind, "model_type": store.config.get("model_type"),
+                "supported": True, "layers": cfg.get("num_hidden_layers"), "moe_layers": len(layouts),
+                "experts_per_layer": first.n_experts if first else 0, "top_k": cfg.get("num_experts_per_tok"),
+                "bytes_per_expert": first.expert_bytes if first else 0,
+                "resident_bytes": store.resident_bytes, "expert_bytes": store.expert_bytes_total,
+                "quantization": {p: (q.__dict__ if q else None) for p, q in first.quant.items()} if first else {},
+            }
+            try:
+                check_supported(store.config, model)
+            except ValueError:
+                facts["supported"] = False
+            table = Table(title=f"{model}", show_header=False)
+            for k, v in facts.items():
+                table.add_row(k.replace("_", " "), format_bytes(v) if k.endswith("bytes") and k != "bytes_per_expert" else
+                              (f"{v} ({format_bytes(v)})" if k == "bytes_per_expert" else str(v)))
+            if budget is not None and layouts:
+                plan = plan_budget(parse_budget(budget), expert_bytes={l: x.expert_bytes for l, x in layouts.items()},
+                                   n_experts={l: x.n_experts for l, x in layouts.items()}, top_k=top_k(store.config),
+                                   resident_bytes=store.resident_bytes, kv_bytes=kv_bytes_estimate(store.config, 4096))
+                slots = min(plan.slots.values())
+                facts["budget"] = {"text": budget, "cache_bytes": plan.budget_bytes, "slots_per_layer": slots,
+                                   "fraction_of_experts": plan.fraction, "min_bytes": plan.min_bytes, "auto": plan.breakdown}
+                table.add_row("budget", f"{budget}: {slots} of {first.n_experts} experts per layer "
+                              f"({plan.fraction:.0%}, {format_bytes(plan.budget_bytes)}; minimum {format_bytes(plan.min_bytes)})")
+            console.print(table)
+            if json_path:
+                write_json(json_path, facts)
+        finally:
+            store.close()
+
+    @app.command("make-tiny")
+    def make_tiny_cmd(
+        out: Path = typer.Argument(..., help="New directory to write the checkpoint into."),
+        family: str = typer.Option("qwen3_moe", "--family", help="qwen3_moe, mixtral, qwen3_next, qwen3_5_moe, or qwen3 (a dense drafter)."),
+        seed: int = typer.Option(0, "--seed"),
+        layers: int = typer.Option(4, "--layers", min=1),
+        experts: int = typer.Option(16, "--experts", min=2),
+        top_k: int = typer.Option(4, "--top-k", min=1),
+        hidden: int = typer.Option(64, "--hidden", min=32),
+        expert_hidden: int = typer.Option(32, "--expert-hidden", min=32),
+        shards: int = typer.Option(1, "--shards", min=1, help="Split the weights into this many safetensors files."),
+    ):
+        """Write a tiny random-weight checkpoint in real mlx-lm layout (4-bit, with a tokenizer)."""
+        from runtime.checkpoints import make_tiny
+
+        if top_k > experts:
+            raise ValueError(f"--top-k {top_k} exceeds --experts {experts}")
+        make_tiny(out, family, seed=seed, shards=shards, layers=layers, n_experts=experts, top_k=top_k,
+                  hidden=hidden, expert_hidden=expert_hidden)
+        err_console.print(f"wrote {family} checkpoint to {out}")

@@ -1,0 +1,163 @@
+"""`specmoe sweep cutoff`, `specmoe sweep cache`, `specmoe tune`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from runtime.observe import console, err_console, write_json
+
+sweep_app = typer.Typer(help="Measure a grid of settings: prefetch cutoff (with a model) or cache policies (from a trace).",
+                        no_args_is_help=True)
+
+
+def _measure_table(rows, title: str) -> Table:
+    t = Table(title=title)
+    for col in ["cutoff L", "predictor", "K", "policy", "tok/s", "misses/tok", "prefetch used MB", "wasted MB", "recall", "accept"]:
+        t.add_column(col, justify="right")
+    for m in rows:
+        s = m.setting
+        t.add_row(str(s.cutoff), s.predictor, str(s.num_draft), s.policy, f"{m.tokens_per_s:.2f}", f"{m.misses_per_token:.2f}",
+                  f"{m.prefetch_used_mb:.2f}", f"{m.prefetch_wasted_mb:.2f}", f"{m.recall:.2f}", f"{m.acceptance:.0%}")
+    return t
+
+
+def _run_grid(runner, settings, measured: list, bar, task) -> None:
+    done = {m.setting for m in measured}
+    for s in settings:
+        if s in done:
+            continue
+        bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
+        measured.append(runner.measure(s)[0])
+        bar.advance(task)
+
+
+def _finish(measured, title, json_path, extra=None, interrupted=False):
+    console.print(_measure_table(measured, title + (" (interrupted: partial)" if interrupted else "")))
+    if json_path:
+        from dataclasses import asdict
+
+        write_json(json_path, {"measured": [asdict(m) for m in measured], "interrupted": interrupted, **(extra or {})})
+
+
+@sweep_app.command("cutoff")
+def sweep_cutoff(
+    model: Path = typer.Option(..., "--model", "-m"), draft: Path = typer.Option(..., "--draft"),
+    prompts: Path = typer.Option(..., "--prompts", help="One prompt per line."),
+    budget: str = typer.Option("50%", "--budget", "-b"), max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1),
+    num_draft: int = typer.Option(3, "--num-draft", "-k", min=1), predictor: str = typer.Option("spmoe", "--predictor"),
+    policy: str = typer.Option("lru", "--policy"), io_mode: str = typer.Option("buffered", "--io-mode"),
+    json_path: Path = typer.Option(None, "--json"), plot: Path = typer.Option(None, "--plot"),
+):
+    """tok/s, misses, prefetch MB and recall for cutoffs L = 0 (off) .. all MoE layers; coarse grid, then refined."""
+    from rich.progress import Progress
+
+    from runtime.observe import read_prompts
+    from runtime.tune import SettingRunner, Workload
+    from runtime.tune import Setting, choose, cutoff_grid, refine
+
+    if plot:
+        from runtime.observe import pyplot
+
+        pyplot()
+    runner = SettingRunner(Workload(model, draft, budget, read_prompts(prompts), max_tokens, io_mode))
+    n = runner.n_moe_layers
+    measured: list = []
+    title = f"cutoff sweep: {model.name}, drafter {draft.name}, budget {budget}, K={num_draft}, {predictor}"
+    try:
+        with Progress(console=err_console, transient=True) as bar:
+            coarse = [Setting(c, predictor, num_draft, policy) for c in cutoff_grid(n, n)]
+            task = bar.add_task("sweep", total=len(coarse))
+            _run_grid(runner, coarse, measured, bar, task)
+            best = choose(measured).setting.cutoff
+            fine = [Setting(c, predictor, num_draft, policy) for c in refine(best, {m.setting.cutoff for m in measured}, n)]
+            bar.update(task, total=len(coarse) + len(fine))
+            _run_grid(runner, fine, measured, bar, task)
+    except KeyboardInterrupt:
+        if measured:
+            _finish(sorted(measured, key=lambda m: m.setting.cutoff), title, json_path, interrupted=True)
+        raise
+    measured.sort(key=lambda m: m.setting.cutoff)
+    c = choose(measured)
+    _finish(measured, title, json_path, {"chosen_cutoff": c.setting.cutoff, "reason": c.reason})
+    console.print(f"chosen L = {c.setting.cutoff}: {c.reason}", highlight=False)
+    if plot:
+        from dataclasses import asdict
+
+        from runtime.tune import plot_cutoff
+
+        plot_cutoff([{"cutoff": m.setting.cutoff, "tokens_per_s": m.tokens_per_s} for m in measured], c.setting.cutoff,
+                    title, plot)
+        err_console.print(f"wrote {plot}")
+
+
+@sweep_app.command("cache")
+def sweep_cache(
+    trace: Path = typer.Option(..., "--trace", help="Routing trace from `specmoe profile --trace`."),
+    window: int = typer.Option(1, "--window", min=1, help="Tokens per call: 1 = plain decode, K+1 = verify windows."),
+    sizes: str = typer.Option("10,20,30,40,50,60,70,80,90", "--sizes", help="Cache sizes, % of a layer's experts."),
+    policies: str = typer.Option("lru,lfu,forecast", "--policies", help="lru, lfu, forecast (LRU + simulated forecast protection)."),
+    forecast_recall: float = typer.Option(0.9, "--forecast-recall", min=0.0, max=1.0),
+    json_path: Path = typer.Option(None, "--json"), plot: Path = typer.Option(None, "--plot"),
+):
+    """Replay a trace through every cache policy and size, against Belady's MIN; equal vs miss-curve slot split."""
+    from runtime.tune import cache_sweep
+
+    if plot:
+        from runtime.observe import pyplot
+
+        pyplot()
+    try:
+        fractions = [float(x) / 100 for x in sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--sizes {sizes!r}: expected comma-separated percentages like 10,20,50") from None
+    if not all(0 < f <= 1 for f in fractions):
+        raise ValueError(f"--sizes {sizes!r}: percentages must be in (0, 100]")
+    names = [p.strip() for p in policies.split(",")]
+    bad = [p for p in names if p not in ("lru", "lfu", "forecast")]
+    if bad:
+        raise ValueError(f"--policies {bad[0]!r}; expected lru, lfu or forecast")
+    result = cache_sweep(trace, window=window, fractions=fractions, policies=names, forecast_recall=forecast_recall)
+    t = Table(title=f"cache replay of {trace.name}: hit rate (MB read per token), window {window}")
+    t.add_column("size", justify="right")
+    t.add_column("slots", justify="right")
+    cols = names + ["belady", "split: equal", "split: by miss curves"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for row in result["table"]:
+        cells = [f"{row['fraction']:.0%}", str(row["slots"])]
+        for c in names + ["belady"]:
+            r = row[c]
+            cells.append(f"{r['hit_rate']:.1%} ({r['mb_per_token']:.3f})")
+        cells += [f"{row['split_equal']:.1%}", f"{row['split_allocated']:.1%}"]
+        t.add_row(*cells)
+    console.print(t)
+    if json_path:
+        write_json(json_path, result)
+    if plot:
+        from runtime.tune import plot_cache
+
+        rows = [{"policy": c, "fraction": row["fraction"], "hit_rate": row[c]["hit_rate"]} for row in result["table"]
+                for c in names + ["belady"]]
+        plot_cache(rows, plot, f"{trace.name}: hit rate vs cache size (window {window})")
+        err_console.print(f"wrote {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(sweep_app, name="sweep")
+
+    @app.command()
+    def tune(
+        model: Path = typer.Option(..., "--model", "-m"), draft: Path = typer.Option(..., "--draft"),
+        prompts: Path = typer.Option(..., "--prompts", help="One prompt per line."),
+        budget: str = typer.Option("50%", "--budget", "-b"), max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1),
+        io_mode: str = typer.Option("buffered", "--io-mode"), threads: int = typer.Option(4, "--threads", min=1),
+        json_path: Path = typer.Option(None, "--json"),
+    ):
+        """Pick cutoff, predictor, K and cache policy by measurement; write tuning.json next to the model."""
+        from runtime.tune import run_tune
+
+        run_tune(model, draft, prompts, budget=budget, max_tokens=max_tokens, io_mode=io_mode, threads=threads,
+                 json_path=json_path, table=_measure_table)

@@ -1,0 +1,29 @@
+"""runtime.decode: turning an offloaded model into tokens, plainly or speculatively.
+
+Owns: `OffloadedModel` (an mlx-lm model whose routed experts are paged through `runtime.cache`),
+the supported families, plain generation, the one-sync pass (a forward that reads routing back to
+the host once), the drafter and its hidden-state taps, drafter/target pairing, sampling and
+acceptance rules, and `SpeculativeDecoder` (draft -> forecast -> prefetch -> verify -> accept ->
+rewind).
+
+Invariants kept at this boundary: greedy tokens equal the resident mlx-lm model's; sampled tokens
+follow the target's distribution; KV and recurrent state after a rejected draft equal a run that
+never saw it.
+"""
+
+from runtime.decode.drafter import DraftResult, Drafter, ModelDrafter
+from runtime.decode.families import check_supported, text_config, top_k
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.one_sync import OneSyncModel, OneSyncPass
+from runtime.decode.pairing import default_projection_path, load_drafter, make_drafter
+from runtime.decode.plain import GenerationStats, encode_prompt, generate_tokens
+from runtime.decode.speculative import SpecConfig, SpecStats, SpeculativeDecoder
+from runtime.decode.speculative_run import run_speculative
+from runtime.decode.taps import HiddenTaps
+
+__all__ = [
+    "DraftResult", "Drafter", "ModelDrafter", "check_supported", "text_config", "top_k", "OffloadConfig",
+    "OffloadedModel", "OneSyncModel", "OneSyncPass", "default_projection_path", "load_drafter", "make_drafter",
+    "GenerationStats", "encode_prompt", "generate_tokens", "SpecConfig", "SpecStats", "SpeculativeDecoder",
+    "run_speculative", "HiddenTaps",
+]

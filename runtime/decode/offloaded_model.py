@@ -1,0 +1,213 @@
+"""OffloadedModel: an mlx-lm model whose routed experts are paged from disk.
+
+Loading: mlx-lm builds the model lazily from the checkpoint (raw) or from the
+store's resident weights (packed); every MoE block's `switch_mlp` is replaced on
+that instance by a CachedSwitchGLU before any parameter is evaluated, so expert
+tensors are never materialised. mlx-lm classes are not patched: a stock model
+loaded in the same process is unaffected.
+
+Invariants: after load() every non-expert parameter came from the checkpoint
+(missing ones are an error naming the tensor), every stacked expert block in the
+store has exactly one module, and the cache holds at most the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.utils import load_model, load_tokenizer
+
+from runtime.cache import BudgetPlan, kv_bytes_estimate, parse_budget, plan_budget
+from runtime.cache import CachedSwitchGLU
+from runtime.cache import ExpertCache
+from runtime.decode.families import check_supported, top_k
+from runtime.cache import GovernorConfig, MemoryGovernor
+from runtime.observe import Telemetry
+from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
+from storage.faults import FaultyReader, parse_faults
+from storage.reader import RangeReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    budget: str = "50%"  # --budget: size, share of expert bytes, or auto
+    policy: str = "lru"  # eviction policy name
+    threads: int = 4  # loader I/O threads
+    io_mode: str = "buffered"  # "buffered" or "direct"
+    verify_checksums: bool = True  # CRC-check packed records on every load (raw checkpoints have no CRCs)
+    context_tokens: int = 4096  # KV-cache size assumed by --budget auto
+    telemetry: bool = True  # per-round, per-layer records (cheap; see bench/bench_telemetry.py)
+    trace: bool = False  # also keep every token's routing for a trace file
+    governor: GovernorConfig | None = None  # shrink the cache when RAM runs low (None: off)
+    inject: str = ""  # debug only: storage.faults spec of disk faults to inject ("": none)
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module:
+    node = root
+    for p in path.split(".") if path else []:
+        node = node[int(p)] if p.isdigit() else getattr(node, p)
+    return node
+
+
+def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(get_module(root, parent), leaf, module)
+
+
+class OffloadedModel:
+    """The model, its tokenizer, and the store/loader/cache that feed its experts."""
+
+    def __init__(self, model, tokenizer, config: dict, store: ExpertStore, loader: AsyncLoader,
+                 cache: ExpertCache, plan: BudgetPlan, modules: dict[int, CachedSwitchGLU], telemetry: Telemetry | None,
+                 governor: MemoryGovernor | None = None):
+        self.model = model  # the mlx-lm model with cache-backed expert modules
+        self.tokenizer = tokenizer  # mlx-lm TokenizerWrapper
+        self.config = config  # config.json as loaded by mlx-lm
+        self.store = store
+        self.loader = loader
+        self.cache = cache
+        self.plan = plan  # budget, slots per layer and how they were computed
+        self.modules = modules  # MoE layer -> its cache-backed expert module
+        self.telemetry = telemetry  # per-round records fed by the modules (None when disabled)
+        self.governor = governor  # memory governor resizing the cache (None when off)
+        for m in modules.values():
+            m.telemetry = telemetry
+
+    @classmethod
+    def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
+        faults = parse_faults(cfg.inject) if cfg.inject else None  # a bad spec is refused before anything opens
+        store = ExpertStore.open(path, io_mode=cfg.io_mode)
+        check_supported(store.config, Path(path) / "config.json")
+        layouts = store.layouts()
+        if not layouts:
+            raise StoreError(path, "has no stacked routed-expert tensors (*.switch_mlp.*); nothing to page")
+        plan = plan_budget(
+            parse_budget(cfg.budget),
+            expert_bytes={l: lay.expert_bytes for l, lay in layouts.items()},
+            n_experts={l: lay.n_experts for l, lay in layouts.items()},
+            top_k=top_k(store.config),
+            resident_bytes=store.resident_bytes,
+            kv_bytes=kv_bytes_estimate(store.config, cfg.context_tokens),
+        )
+        reader = FaultyReader(RangeReader(cfg.io_mode), faults, store) if faults else None
+        loader = AsyncLoader(store, LoaderConfig(threads=cfg.threads, io_mode=cfg.io_mode, verify_checksums=cfg.verify_checksums),
+                             reader=reader)
+        try:
+            model, config = load_model(store.model_dir, lazy=True, strict=False)
+            cache = ExpertCache(layouts, plan.slots, loader, cfg.policy, min_usable=top_k(store.config))
+            modules = cls._swap_experts(model, layouts, cache, store)
+            cls._check_resident(model, modules, store)
+            mx.eval(model.parameters())
+            tokenizer = load_tokenizer(store.model_dir, eos_token_ids=config.get("eos_token_id"))
+        except BaseException:
+            loader.close()
+            store.close()
+            raise
+        telemetry = Telemetry(sorted(modules), trace=cfg.trace) if cfg.telemetry or cfg.trace else None
+        governor = MemoryGovernor(cache, cfg.governor).start() if cfg.governor is not None else None
+        return cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry, governor)
+
+    @staticmethod
+    def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:
+        by_prefix = {lay.prefix: lay for lay in layouts.values()}
+        stock = [(p, m) for p, m in model.named_modules() if isinstance(m, SwitchGLU) and p.endswith("switch_mlp")]
+        found = {p for p, _ in stock}
+        for prefix in by_prefix:
+            if prefix not in found:
+                raise StoreError(store.model_dir, "expert tensors have no matching SwitchGLU in the mlx-lm model", tensor=prefix)
+        modules = {}
+        for path, module in stock:
+            lay = by_prefix.get(path)
+            if lay is None:
+                raise StoreError(store.model_dir, "missing expert tensors for this MoE block", tensor=f"{path}.gate_proj.weight")
+            modules[lay.layer] = CachedSwitchGLU(lay.layer, lay, cache, module.activation)
+            _set_module(model, path, modules[lay.layer])
+        return modules
+
+    @staticmethod
+    def _check_resident(model, modules, store) -> None:
+        prefixes = tuple(store.layout(l).prefix + "." for l in modules)
+        have = set(store.resident_tensors())
+        for name, _ in tree_flatten(model.parameters()):
+            if not name.startswith(prefixes) and name not in have:
+                raise StoreError(store.model_dir, "missing weight (the checkpoint does not match config.json)", tensor=name)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self.modules)
+
+    @property
+    def top_k(self) -> int:
+        return top_k(self.config)
+
+    def routers(self) -> dict[int, "TargetRouter"]:
+        """Each MoE layer's post-attention norm and router gate, for forecasting."""
+        from predictor.spmoe import TargetRouter
+
+        out = {}
+        for layer in self.modules:
+            block_path = self.store.layout(layer).prefix.rpartition(".")[0]  # "...layers.3.mlp"
+            block = get_module(self.model, block_path)
+            decoder_layer = get_module(self.model, block_path.rpartition(".")[0])
+            out[layer] = TargetRouter(layer, decoder_layer.post_attention_layernorm, block.gate)
+        return out
+
+    def label_round(self, kind: str) -> None:
+        """Name the next forward in telemetry ("prefill", "verify", "rerun", ...)."""
+        if self.telemetry is not None:
+            self.telemetry.label(kind)
+
+    def end_round(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.flush()
+
+    def drop_prefetches_before(self, round_id: int) -> None:
+        """Cancel queued prefetch reads of rounds before `round_id`: their forecast is stale."""
+        self.loader.cancel_stale(round_id)
+
+    def model_id(self) -> dict:
+        """Identity of the model for traces: name, type, config digest, routing shape."""
+        from predictor.projection import config_digest
+        from runtime.decode.families import text_config
+
+        cfg = text_config(self.config)
+        first = self.store.layout(self.moe_layers[0])
+        return {"name": self.store.model_dir.name, "model_type": self.config.get("model_type"),
+                "digest": config_digest(self.config), "n_experts": first.n_experts, "top_k": self.top_k,
+                "moe_layers": self.moe_layers, "hidden_size": cfg.get("hidden_size"), "expert_bytes": first.expert_bytes}
+
+    def set_observer(self, observer) -> None:
+        """Call observer(layer, expert_ids (tokens, k)) on every MoE call; None to stop."""
+        for m in self.modules.values():
+            m.observer = observer
+
+    # -- stats -------------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        """Cumulative hits, misses, evictions, bytes read since load."""
+        stats = self.cache.stats().values()
+        return {
+            "hits": sum(s.hits for s in stats),
+            "misses": sum(s.misses for s in stats),
+            "evictions": sum(s.evictions for s in stats),
+            "prefetch_hits": sum(s.prefetch_hits for s in stats),
+            "prefetch_loaded": sum(s.prefetch_loaded for s in stats),
+            "prefetch_wasted": sum(s.prefetch_wasted for s in stats),
+            "prefetch_cancelled": sum(s.prefetch_cancelled for s in stats),
+            "bytes_read": self.loader.stats.bytes_read,
+            "load_wait_ms": self.loader.stats.wait_ms,
+            **(self.governor.counters() if self.governor is not None else {}),
+        }
+
+    def close(self) -> None:
+        if self.governor is not None:
+            self.governor.stop()
+        self.loader.close()
+        self.store.close()

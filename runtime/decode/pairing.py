@@ -1,0 +1,82 @@
+"""Pairing a drafter with an offloaded target: checks, layer map, projections, predictor.
+
+Invariants: a drafter is accepted only if its tokenizer maps every token string to
+the same id as the target's; `spmoe` runs only when drafter and target widths match
+or a projection file made for exactly this pair is available.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from mlx_lm import load as mlx_load
+
+from predictor import make_predictor
+from predictor.layer_map import layer_map
+from predictor.projection import Projections, config_digest
+from runtime.decode.drafter import ModelDrafter
+from runtime.decode.families import text_config
+from runtime.checkpoints import model_fingerprint
+
+
+def default_projection_path(target_dir: Path, drafter_config: dict) -> Path:
+    return Path(target_dir) / f"specmoe-projection-{config_digest(drafter_config)}.safetensors"
+
+
+def _vocab_digest(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    return hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()
+
+
+def load_drafter(draft_dir: Path, target) -> tuple[object, dict]:
+    """Load an mlx-lm drafter and check it shares the target's tokenizer."""
+    draft_dir = Path(draft_dir)
+    if not (draft_dir / "config.json").exists():
+        raise ValueError(f"--draft {draft_dir}: no config.json; expected an mlx-lm model directory")
+    model, tokenizer, config = mlx_load(str(draft_dir), return_config=True)
+    if _vocab_digest(tokenizer) != _vocab_digest(target.tokenizer):
+        raise ValueError(
+            f"--draft {draft_dir}: its tokenizer differs from the target's "
+            f"({len(tokenizer.get_vocab())} vs {len(target.tokenizer.get_vocab())} tokens); a drafter must share the tokenizer"
+        )
+    return model, config
+
+
+def build_predictor(name: str, target, draft_model, draft_config: dict, *, projection: Path | None = None,
+                    recording=None, limit: int | None = None, forecast_k: int | None = None):
+    """The named predictor for this target/drafter pair.
+
+    forecast_k: experts spmoe takes per window token (k'; default the target's k);
+    limit: experts forecast per layer per round at most (default: spmoe the whole union of
+    its per-token top-k', the others 2k)."""
+    routers = lm = proj = None
+    n_experts = target.store.layout(target.moe_layers[0]).n_experts
+    if forecast_k is not None and not 1 <= forecast_k <= n_experts:
+        raise ValueError(f"--forecast-k {forecast_k}; expected 1..{n_experts} (experts per layer)")
+    if name == "spmoe":
+        lm = layer_map(len(target.model.layers), len(draft_model.layers))
+        t_width = text_config(target.config)["hidden_size"]
+        d_width = text_config(draft_config)["hidden_size"]
+        path = projection or default_projection_path(target.store.model_dir, draft_config)
+        if Path(path).exists():
+            proj = Projections.load(path)
+            proj.check(target.config, draft_config, path,
+                       (model_fingerprint(target.model), model_fingerprint(draft_model)))
+        elif projection is not None:
+            raise ValueError(f"--projection {projection}: file not found")
+        elif t_width != d_width:
+            raise ValueError(
+                f"drafter width {d_width} differs from the target's {t_width}: spmoe needs a projection; "
+                f"run `specmoe calibrate --model {target.store.model_dir} --draft DIR`"
+            )
+        routers = target.routers()
+    return make_predictor(name, top_k=forecast_k or target.top_k, routers=routers, layer_map=lm, projections=proj,
+                          recording=recording,
+                          limit=limit or (None if name == "spmoe" else 2 * target.top_k))
+
+
+def make_drafter(draft_model, predictor_name: str) -> ModelDrafter:
+    # Taps (and feeding d_K) only matter when the drafter's hidden states are used.
+    uses_taps = predictor_name == "spmoe"
+    return ModelDrafter(draft_model, taps=uses_taps, feed_last=uses_taps)

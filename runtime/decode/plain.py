@@ -1,0 +1,112 @@
+"""Plain (non-speculative) generation on an OffloadedModel, with the stats we report.
+
+The decode loop is mlx-lm's own `generate_step` (it pipelines step n+1 with
+`async_eval` before yielding token n); we only read the cache and loader
+counters around it, and hand it the model wrapped in a OneSyncModel so a step whose
+experts are all resident costs one host sync instead of one per MoE layer. Prefill
+and decode are reported separately because prefill misses say nothing about
+steady-state paging.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+
+@dataclass
+class GenerationStats:
+    n_prompt_tokens: int  # tokens in the prompt
+    n_tokens: int  # tokens generated
+    prefill_s: float  # time to the first generated token
+    decode_s: float  # time for the remaining tokens
+    tokens_per_s: float  # decode throughput (tokens after the first / decode_s)
+    hit_rate: float  # decode: unique experts found resident / requested
+    misses_per_token: float  # decode: experts read from disk per generated token
+    mb_read_per_token: float  # decode: MB read from disk per generated token
+    prefill_misses: int  # experts read during prefill
+    bytes_read: int  # all bytes read (prefill + decode)
+    load_wait_ms: float  # time the model waited for demand loads
+    peak_memory_bytes: int  # MLX allocator peak during the run
+    one_sync_tries: int = 0  # decode steps tried with one host sync (runtime/decode/one_sync.py)
+    one_sync_fallbacks: int = 0  # of those, steps that met an absent expert and ran again normally
+
+    def line(self) -> str:
+        return (f"{self.tokens_per_s:.1f} tok/s | hit rate {self.hit_rate:.1%} | "
+                f"{self.misses_per_token:.2f} misses/token | {self.mb_read_per_token:.3f} MB read/token | "
+                f"prompt {self.n_prompt_tokens} tok, generated {self.n_tokens} tok | "
+                f"one-sync steps {self.one_sync_tries - self.one_sync_fallbacks}/{self.one_sync_tries}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _counters(om) -> dict:
+    return om.counters() if om is not None else {"hits": 0, "misses": 0, "bytes_read": 0, "load_wait_ms": 0.0}
+
+
+def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
+                    eos_ids=(), om=None, on_token: Callable[[int], None] | None = None,
+                    one_sync: str = "auto") -> tuple[list[int], GenerationStats]:
+    """Generate up to `max_tokens` after `prompt_ids`. `om` (an OffloadedModel) supplies paging counters
+    and, unless one_sync is "off", its decode steps are tried with one host sync (OneSyncModel;
+    "auto" backs off while they fail, "on" always tries)."""
+    if one_sync not in ("auto", "on", "off"):
+        raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty after tokenization; expected at least one token")
+    sampler = make_sampler(temp=temp, top_p=top_p)
+    one_sync_model = None
+    if om is not None and one_sync != "off":
+        from runtime.decode.one_sync import OneSyncGate, OneSyncModel
+
+        one_sync_model = OneSyncModel(om, OneSyncGate(min_success=0.0) if one_sync == "on" else None)
+        model = one_sync_model
+    mx.reset_peak_memory()
+    c0 = _counters(om)
+    t0 = time.perf_counter()
+    tokens, t_first, c1 = [], None, None
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler):
+        token = int(token)
+        if t_first is None:
+            t_first, c1 = time.perf_counter(), _counters(om)
+        tokens.append(token)
+        if on_token:
+            on_token(token)
+        if token in eos_ids:
+            break
+    t_end = time.perf_counter()
+    c2 = _counters(om)
+    n_decode = max(0, len(tokens) - 1)
+    hits, misses = c2["hits"] - c1["hits"], c2["misses"] - c1["misses"]
+    stats = GenerationStats(
+        n_prompt_tokens=len(prompt_ids),
+        n_tokens=len(tokens),
+        prefill_s=t_first - t0,
+        decode_s=t_end - t_first,
+        tokens_per_s=n_decode / (t_end - t_first) if n_decode and t_end > t_first else 0.0,
+        hit_rate=hits / (hits + misses) if hits + misses else 1.0,
+        misses_per_token=misses / n_decode if n_decode else 0.0,
+        mb_read_per_token=(c2["bytes_read"] - c1["bytes_read"]) / 1e6 / n_decode if n_decode else 0.0,
+        prefill_misses=c1["misses"] - c0["misses"],
+        bytes_read=c2["bytes_read"] - c0["bytes_read"],
+        load_wait_ms=c2["load_wait_ms"] - c0["load_wait_ms"],
+        peak_memory_bytes=mx.get_peak_memory(),
+        one_sync_tries=one_sync_model.stats.tries if one_sync_model else 0,
+        one_sync_fallbacks=one_sync_model.stats.fallbacks if one_sync_model else 0,
+    )
+    return tokens, stats
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
+    """Token ids of `prompt`, through the chat template when asked and available."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
+    return list(tokenizer.encode(prompt))

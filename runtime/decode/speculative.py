@@ -1,0 +1,284 @@
+"""SpeculativeDecoder: draft -> forecast -> prefetch -> verify -> accept -> rewind.
+
+One round, with K = num_draft and the verify window W = [p, d_1 .. d_K] where p
+is the last emitted token (not yet seen by the target):
+- draft:    the drafter proposes d_1..d_K; after each of its steps the predictor
+            forecasts the experts the target will need for W, and
+- prefetch: forecast experts of the first `cutoff` MoE layers are queued on the
+            loader (earlier layers first, capped in bytes) and protected from
+            eviction until their layer is verified. Reads overlap the drafting.
+- verify:   one target forward over W (K+1 tokens); misses still load on demand.
+- accept:   greedy (exact match) or rejection sampling (target distribution kept).
+- rewind:   trimmable caches drop the rejected tail; caches that cannot be trimmed
+            (GatedDeltaNet state, a full rotating cache) are restored from a
+            snapshot taken before verify and the accepted tokens are re-run.
+            Queued prefetches of the round are cancelled.
+
+Invariant: greedy output equals greedy decoding of the target alone; sampled
+output has the target's distribution. The predictor only changes what is read
+when, never what is computed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from predictor.base import DraftTaps, ExpertForecast
+from runtime.decode.drafter import ModelDrafter
+from runtime.decode.one_sync import OneSyncGate, OneSyncPass, gated_forward, roll_back, snapshot_untrimmable
+from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities
+from storage import ExpertKey
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_draft: int = 4  # K: tokens proposed per round
+    cutoff: int | None = None  # prefetch for the first `cutoff` MoE layers; None: all, 0: none
+    max_prefetch_bytes: int | None = None  # per round; None: no cap beyond the cache itself
+    temp: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    prefill_chunk: int = 512  # prompt tokens per target forward during prefill
+    one_sync: str = "auto"  # verify with one host sync when experts are resident: auto (adaptive), on, off
+
+    def __post_init__(self):
+        if self.num_draft < 1:
+            raise ValueError(f"--num-draft {self.num_draft}; expected K >= 1")
+        if self.cutoff is not None and self.cutoff < 0:
+            raise ValueError(f"--cutoff {self.cutoff}; expected 0 (no prefetch) up to the number of MoE layers")
+        if self.temp < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"--temp {self.temp} / --top-p {self.top_p}; expected temp >= 0 and 0 < top_p <= 1")
+        if self.one_sync not in ("auto", "on", "off"):
+            raise ValueError(f"--one-sync {self.one_sync!r}; expected auto, on or off")
+
+
+@dataclass
+class ForecastScore:
+    hits: int = 0  # forecast experts the verify pass used
+    forecast: int = 0  # experts forecast
+    actual: int = 0  # unique experts the verify pass used
+
+    @property
+    def recall(self) -> float:
+        return self.hits / self.actual if self.actual else 0.0
+
+    @property
+    def precision(self) -> float:
+        return self.hits / self.forecast if self.forecast else 0.0
+
+
+@dataclass
+class SpecStats:
+    n_rounds: int = 0  # verify passes
+    n_drafted: int = 0  # draft tokens proposed
+    n_accepted: int = 0  # draft tokens accepted
+    n_tokens: int = 0  # tokens emitted
+    n_reruns: int = 0  # rounds whose rewind re-ran accepted tokens (untrimmable state)
+    draft_s: float = 0.0  # time in draft + forecast + queueing prefetch
+    verify_s: float = 0.0  # time in target verify forwards (including demand loads)
+    rewind_s: float = 0.0  # time restoring state and re-running accepted tokens
+    one_sync_tries: int = 0  # verify passes tried with one host sync (runtime/decode/one_sync.py)
+    one_sync_fallbacks: int = 0  # of those, passes that met an absent expert and ran again normally
+    decode_s: float = 0.0  # wall time of all rounds
+    prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
+    per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
+    counters: dict[str, float] = field(default_factory=dict)  # cache/loader counter deltas over the rounds
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.n_tokens / self.n_rounds if self.n_rounds else 0.0
+
+    def recall(self, layers=None) -> float:
+        scores = [s for l, s in self.per_layer.items() if layers is None or l in layers]
+        actual = sum(s.actual for s in scores)
+        return sum(s.hits for s in scores) / actual if actual else 0.0
+
+    def precision(self, layers=None) -> float:
+        scores = [s for l, s in self.per_layer.items() if layers is None or l in layers]
+        forecast = sum(s.forecast for s in scores)
+        return sum(s.hits for s in scores) / forecast if forecast else 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["per_layer"] = {l: {**asdict(s), "recall": s.recall, "precision": s.precision} for l, s in self.per_layer.items()}
+        d.update(acceptance=self.acceptance, tokens_per_verify=self.tokens_per_verify, recall=self.recall(),
+                 precision=self.precision())
+        return d
+
+
+class SpeculativeDecoder:
+    def __init__(self, target, drafter: ModelDrafter, predictor, cfg: SpecConfig = SpecConfig()):
+        self.target = target  # OffloadedModel
+        self.drafter = drafter
+        self.predictor = predictor
+        self.cfg = cfg
+        moe = target.moe_layers
+        cutoff = len(moe) if cfg.cutoff is None else cfg.cutoff
+        if cutoff > len(moe):
+            raise ValueError(f"--cutoff {cutoff} is beyond the model's {len(moe)} MoE layers; expected 0..{len(moe)}")
+        self.prefetch_layers = moe[:cutoff]
+        # Forecasts cost drafter-side compute every draft step: make them only for layers we prefetch.
+        self.forecast_layers = self.prefetch_layers
+        self.cache = make_prompt_cache(target.model)
+        self.rng = np.random.default_rng(cfg.seed)
+        self.stats = SpecStats(per_layer={l: ForecastScore() for l in moe})
+        self._routing: dict[int, np.ndarray] = {}
+        self._round = 0
+        self._forecast = ExpertForecast.empty()
+        self._queued: set[ExpertKey] = set()
+        self._round_bytes = 0
+        self._one_sync = OneSyncPass(target) if cfg.one_sync != "off" else None
+        self._gate = OneSyncGate() if cfg.one_sync == "auto" else OneSyncGate(min_success=0.0)
+
+    # -- phases ------------------------------------------------------------------------
+    def _forecast_and_prefetch(self, taps: DraftTaps) -> None:
+        if not self.forecast_layers:
+            return
+        self._forecast = self.predictor.forecast(taps, self.forecast_layers)
+        keys = [ExpertKey(l, int(e)) for l in self.prefetch_layers for e in self._forecast.experts(l)]
+        new = [k for k in keys if k not in self._queued]
+        if not new:
+            return
+        self._queued.update(new)
+        cap = None if self.cfg.max_prefetch_bytes is None else self.cfg.max_prefetch_bytes - self._round_bytes
+        queued = self.target.cache.prefetch(new, self._round, cap)
+        self._round_bytes += queued
+        self.stats.prefetch_bytes_queued += queued
+
+    def _draft(self):
+        t0 = time.perf_counter()
+        self._forecast, self._queued, self._round_bytes = ExpertForecast.empty(), set(), 0
+        draft = self.drafter.propose(self.cfg.num_draft, temp=self.cfg.temp, top_p=self.cfg.top_p, rng=self.rng,
+                                     on_step=self._forecast_and_prefetch)
+        self.stats.draft_s += time.perf_counter() - t0
+        return draft
+
+    def _verify(self, window: list[int], snapshot: list) -> mx.array:
+        t0 = time.perf_counter()
+        self._routing = {}
+        self.target.set_observer(self._observe)
+        self.target.label_round("verify")
+        logits = self._forward(window, snapshot, self._gate, count=True)[0]  # (K+1, V)
+        self.target.set_observer(None)
+        mx.eval(logits)
+        self.stats.verify_s += time.perf_counter() - t0
+        return logits
+
+    def _forward(self, tokens: list[int], snapshot: list, gate: OneSyncGate | None, count: bool) -> mx.array:
+        """The target over `tokens` with one host sync if their experts are resident, else the normal path."""
+        inputs = mx.array(tokens)[None]
+        forward = lambda: self.target.model(inputs, cache=self.cache)  # noqa: E731
+        if self._one_sync is None:
+            return forward()
+        out, success = gated_forward(gate, self._one_sync, forward, lambda: roll_back(self.cache, snapshot, len(tokens)))
+        if count and success is not None:
+            self.stats.one_sync_tries += 1
+            self.stats.one_sync_fallbacks += not success
+        return out
+
+    def _observe(self, layer: int, ids: np.ndarray) -> None:
+        self._routing[layer] = np.concatenate([self._routing[layer], ids]) if layer in self._routing else ids
+
+    def _accept(self, draft, logits: mx.array) -> tuple[int, int]:
+        if self.cfg.temp == 0:
+            return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
+        p = np.array(probabilities(logits, self.cfg.temp, self.cfg.top_p), np.float64)
+        q = draft.q
+        v = min(p.shape[-1], q.shape[-1])  # padded vocabularies may differ in length
+        return accept_sampled(draft.tokens, q[:, :v], p[:, :v], self.rng)
+
+    def _score_forecast(self) -> None:
+        for l, ids in self._routing.items():
+            if l not in self.forecast_layers:
+                continue
+            actual = set(np.unique(ids).tolist())
+            forecast = set(self._forecast.experts(l).tolist())
+            s = self.stats.per_layer[l]
+            s.hits += len(actual & forecast)
+            s.forecast += len(forecast)
+            s.actual += len(actual)
+
+    def _rewind(self, window: list[int], n_accepted: int, snapshot: list) -> None:
+        t0 = time.perf_counter()
+        rejected = len(window) - 1 - n_accepted
+        if any(s is not None for s in snapshot):
+            if rejected:
+                roll_back(self.cache, snapshot, len(window))
+                self.target.label_round("rerun")
+                # The verify pass has just used these tokens' experts: a one-sync pass almost always holds.
+                self._forward(window[: n_accepted + 1], snapshot, None, count=False)
+                mx.eval([c.state for c in self.cache])
+                self.target.end_round()
+                self.stats.n_reruns += 1
+        elif rejected:
+            for c in self.cache:
+                c.trim(rejected)
+        self.target.drop_prefetches_before(self._round + 1)
+        self.target.cache.unprotect()
+        self.stats.rewind_s += time.perf_counter() - t0
+
+    # -- the loop ------------------------------------------------------------------------
+    def prefill(self, prompt_ids: list[int]) -> int:
+        """Feed all prompt tokens but the last to both models; returns the pending token."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty after tokenization; expected at least one token")
+        head = prompt_ids[:-1]
+        for i in range(0, len(head), self.cfg.prefill_chunk):
+            self.target.label_round("prefill")
+            self.target.model(mx.array(head[i : i + self.cfg.prefill_chunk])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        self.drafter.prefill(prompt_ids)
+        return prompt_ids[-1]
+
+    def step(self, pending: int) -> list[int]:
+        """One round: returns the tokens it emits (accepted drafts plus one target token)."""
+        self._round += 1
+        draft = self._draft()
+        window = [pending] + draft.tokens
+        snapshot = snapshot_untrimmable(self.cache)
+        logits = self._verify(window, snapshot)
+        n, token = self._accept(draft, logits)
+        if self.target.telemetry is not None:
+            used = {ExpertKey(l, int(e)) for l, ids in self._routing.items() for e in np.unique(ids)}
+            self.target.telemetry.end_verify(n, len(self._queued), len(self._queued - used))
+        self._score_forecast()
+        self.predictor.observe(self._routing)
+        self._rewind(window, n, snapshot)
+        self.drafter.settle(n, token)
+        self.stats.n_rounds += 1
+        self.stats.n_drafted += len(draft.tokens)
+        self.stats.n_accepted += n
+        return draft.tokens[:n] + [token]
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None) -> list[int]:
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
+        pending = self.prefill(prompt_ids)
+        c0 = self.target.counters()
+        t0 = time.perf_counter()
+        out: list[int] = []
+        while len(out) < max_tokens:
+            for token in self.step(pending):
+                out.append(token)
+                if on_token:
+                    on_token(token)
+                if token in eos_ids or len(out) >= max_tokens:
+                    break
+            else:
+                pending = out[-1]
+                continue
+            break
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.n_tokens += len(out)
+        c1 = self.target.counters()
+        self.stats.counters = {k: c1[k] - c0[k] for k in c1}
+        return out

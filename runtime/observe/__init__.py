@@ -1,0 +1,29 @@
+"""runtime.observe: what each token cost, reported rather than guessed from tokens/s.
+
+Owns: `Telemetry` (per forward and MoE layer: tokens, unique experts, hits, misses, bytes, stalls),
+routing traces (`RoutingTrace`, zstd on disk), routing analysis against baselines (overlap,
+unique experts per window, independence and uniform references), closed-form routing maths, the
+profile workload and its plot, and the `--json` / console writers every command shares.
+
+Invariants kept at this boundary: telemetry memory is bounded (a fixed number of rounds); observing
+never changes what the model computes; a `--json` file is written whole or not at all.
+"""
+
+from runtime.observe.analysis import layer_report
+from runtime.observe.profile import analyse, read_prompts, run_workload, trace_of
+from runtime.observe.profile_plot import plot_profile, pyplot
+from runtime.observe.report import console, err_console, fail, write_json
+from runtime.observe.routing_math import (
+    expected_tokens_per_round,
+    fit_power_law_exponent,
+    power_law_hit_rate,
+    uniform_unique_experts,
+)
+from runtime.observe.telemetry import Telemetry
+from runtime.observe.trace import RoutingTrace
+
+__all__ = [
+    "layer_report", "analyse", "read_prompts", "run_workload", "trace_of", "plot_profile", "pyplot", "console",
+    "err_console", "fail", "write_json", "expected_tokens_per_round", "fit_power_law_exponent",
+    "power_law_hit_rate", "uniform_unique_experts", "Telemetry", "RoutingTrace",
+]

@@ -1,0 +1,31 @@
+"""runtime.plan: projections for Macs — will a MoE model fit, and how fast will it run.
+
+Owns: model costs computed from a config.json (bytes per expert, resident bytes, KV growth), Mac
+hardware profiles with their sources (`data/macs.json`), and the planner's cost model.
+
+Invariants kept at this boundary: every figure the planner prints is a projection and is labelled
+so; every constant it uses names its source.
+"""
+
+from runtime.plan.mac_profiles import MacProfile, mac_profile, measured_profile
+from runtime.plan.model_costs import ModelCosts, load_model_config, model_costs
+from runtime.plan.planner import (
+    DEFAULT_SYNC_MS_PER_LAYER,
+    CostConstants,
+    ForwardTime,
+    HitRates,
+    SpecAssumptions,
+    forward_time,
+    hit_rate_prior_exponent,
+    hit_rates,
+    plan_memory,
+    project,
+    projection_json,
+    required_hit_rate,
+)
+
+__all__ = [
+    "MacProfile", "mac_profile", "measured_profile", "ModelCosts", "load_model_config", "model_costs",
+    "DEFAULT_SYNC_MS_PER_LAYER", "CostConstants", "ForwardTime", "HitRates", "SpecAssumptions", "forward_time",
+    "hit_rate_prior_exponent", "hit_rates", "plan_memory", "project", "projection_json", "required_hit_rate",
+]

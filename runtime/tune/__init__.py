@@ -1,0 +1,25 @@
+"""runtime.tune: choosing settings from measurements (cutoff layer, cache policy, projections).
+
+Owns: cache replay of routing traces (LRU/LFU/Belady's MIN, miss curves, per-layer slot split),
+`specmoe sweep cache` and `sweep cutoff`, the setting runner that measures real runs on fresh
+caches, the tuner (a pure function of measurements), `tuning.json` and how `generate` resolves
+settings from it, drafter->target projection fitting (`calibrate`), and the sweep plots.
+
+Invariants kept at this boundary: the tuner has no hidden state; every measured variant starts from
+an empty cache; replaying a trace gives the counts the live cache gives.
+"""
+
+from runtime.tune.cache_sweep import cache_sweep
+from runtime.tune.calibrate import CalibrationReport, calibrate
+from runtime.tune.measure import SettingRunner, Workload
+from runtime.tune.plots import plot_cache, plot_cutoff
+from runtime.tune.replay import allocate_slots, belady, miss_curve, replay
+from runtime.tune.run import run_tune
+from runtime.tune.settings import resolve_settings
+from runtime.tune.tuner import Setting, choose, cutoff_grid, load_tuning, refine, save_tuning
+
+__all__ = [
+    "cache_sweep", "CalibrationReport", "calibrate", "SettingRunner", "Workload", "plot_cache", "plot_cutoff",
+    "allocate_slots", "belady", "miss_curve", "replay", "run_tune", "resolve_settings", "Setting", "choose",
+    "cutoff_grid", "load_tuning", "refine", "save_tuning",
+]

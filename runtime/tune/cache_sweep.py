@@ -1,0 +1,60 @@
+"""`specmoe sweep cache`: replay a trace through policies and sizes (no model needed).
+
+Per cache size (a share of each layer's experts): every policy's hit rate and MB
+read per token, Belady's MIN as the bound, and the per-layer slot split: equal
+slots per layer vs slots allocated by per-layer LRU miss curves at the same total.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runtime.tune.replay import allocate_slots, belady, replay, windows_of
+from runtime.observe import RoutingTrace
+
+
+def _curve(seqs, n: int, lo: int, window: int) -> dict[int, int]:
+    """LRU misses for every slot count from lo to n (coarse steps, linearly interpolated)."""
+    step = max(1, (n - lo) // 24)
+    pts = sorted(set(range(lo, n + 1, step)) | {n})
+    measured = {s: replay(seqs, n, s, "lru", window).misses for s in pts}
+    return {s: int(round(np.interp(s, pts, [measured[p] for p in pts]))) for s in range(lo, n + 1)}
+
+
+def cache_sweep(trace_path: Path, *, window: int, fractions: list[float], policies: list[str],
+                forecast_recall: float = 0.9) -> dict:
+    trace = RoutingTrace.load(trace_path)
+    n, k = trace.n_experts, trace.top_k
+    layers = [[s for s in trace.layer(i) if len(s)] for i in range(len(trace.moe_layers))]
+    tokens = trace.n_tokens
+    if not tokens:
+        raise ValueError(f"{trace_path}: the trace has no tokens")
+    expert_mb = trace.model.get("expert_bytes", 0) / 1e6
+    lo = max(max((len(w) for w in windows_of(seqs, window)), default=k) for seqs in layers)
+    curves = {i: _curve(seqs, n, lo, window) for i, seqs in enumerate(layers)}
+    table = []
+    for f in fractions:
+        slots = max(lo, int(round(f * n)))
+        row = {"fraction": f, "slots": slots}
+        for p in policies + ["belady"]:
+            results = [
+                belady(seqs, slots, window) if p == "belady" else
+                replay(seqs, n, slots, "lru" if p == "forecast" else p, window,
+                       forecast_recall=forecast_recall if p == "forecast" else None)
+                for seqs in layers
+            ]
+            hits, misses = sum(r.hits for r in results), sum(r.misses for r in results)
+            row[p] = {"hit_rate": hits / max(1, hits + misses), "misses_per_token": misses / tokens,
+                      "mb_per_token": misses * expert_mb / tokens}
+        alloc = allocate_slots(curves, slots * len(layers), lo)
+        equal_misses = sum(curves[i][slots] for i in curves)
+        alloc_misses = sum(curves[i][alloc[i]] for i in curves)
+        lookups = sum(sum(len(w) for w in windows_of(seqs, window)) for seqs in layers)
+        row["split_equal"] = 1 - equal_misses / lookups
+        row["split_allocated"] = 1 - alloc_misses / lookups
+        row["split_slots"] = [alloc[i] for i in sorted(alloc)]
+        table.append(row)
+    return {"trace": str(trace_path), "model": trace.model, "window": window, "tokens": tokens,
+            "forecast_recall": forecast_recall, "table": table}
