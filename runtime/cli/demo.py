@@ -27,40 +27,30 @@ def _row(name, tokens_per_s, tel_summary, n_tokens, acceptance=None, tpv=None):
 
 
 def run_demo(target: Path, draft: Path, prompt: str, max_tokens: int, budget: str, num_draft: int, io_mode: str) -> dict:
-    from runtime.decode import load_drafter
-    from runtime.decode import generate_tokens
-    from runtime.decode import OffloadConfig, OffloadedModel
-    from runtime.decode import run_speculative
+    from runtime.api import load, stream_generate
 
     rows, texts, tokens_by = [], {}, {}
     variants = [("plain", None), ("spec, no prefetch", "none"), ("spec + spmoe prefetch", "spmoe")]
-    draft_model = draft_config = None
     for name, predictor in variants:
-        om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=io_mode))
-        try:
-            ids = list(om.tokenizer.encode(prompt))
+        engine = load(target, budget, draft if predictor else None, num_draft=num_draft, predictor=predictor,
+                      cutoff=None if predictor != "none" else 0, policy="lru", io_mode=io_mode)
+        with engine:
+            om = engine.model
             om.telemetry.new_sequence()
+            responses = list(stream_generate(engine, prompt, max_tokens))
+            out, last = [r.token for r in responses], responses[-1]
+            om.end_round()
+            summary = om.telemetry.summary(exclude=("prefill",))
             if predictor is None:
-                out, st = generate_tokens(om.model, ids, max_tokens=max_tokens, om=om)
-                om.end_round()
-                summary = om.telemetry.summary(exclude=("prefill",))
                 # Plain decoding has no verify windows: a decode step is a window of one token.
                 summary["unique_per_layer_per_verify"] = summary["pairs_per_layer_per_verify"] = float(om.top_k)
-                rows.append(_row(name, st.tokens_per_s, summary, len(out)))
+                rows.append(_row(name, last.detail.tokens_per_s, summary, len(out)))
             else:
-                if draft_model is None:
-                    draft_model, draft_config = load_drafter(draft, om)
-                out, st, _ = run_speculative(om, draft, ids, max_tokens=max_tokens, num_draft=num_draft,
-                                             predictor=predictor, cutoff=None if predictor != "none" else 0,
-                                             draft_model=draft_model, draft_config=draft_config)
-                om.end_round()
-                rows.append(_row(name, st.n_tokens / st.decode_s, om.telemetry.summary(exclude=("prefill",)), len(out), st.acceptance,
-                                 st.tokens_per_verify))
+                st = last.detail
+                rows.append(_row(name, st.n_tokens / st.decode_s, summary, len(out), st.acceptance, st.tokens_per_verify))
             texts[name] = om.tokenizer.decode(out)
             tokens_by[name] = out
             plan = om.plan
-        finally:
-            om.close()
     identical = len({tuple(t) for t in tokens_by.values()}) == 1
     return {"prompt": prompt, "budget": budget, "cache_fraction": plan.fraction, "rows": rows,
             "text": texts[variants[0][0]], "identical_outputs": identical, "tokens": tokens_by[variants[0][0]]}

@@ -67,63 +67,44 @@ def register(app: typer.Typer) -> None:
         inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
     ):
         """Generate text with routed experts paged from disk into a fixed-budget cache."""
-        import mlx.core as mx
-
-        from runtime.decode import encode_prompt, generate_tokens
-        from runtime.decode import OffloadConfig, OffloadedModel
+        from runtime.api import load, stream_generate
+        from runtime.decode import encode_prompt
 
         if num_draft is not None and num_draft < 1:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
-        if draft is not None:
-            from runtime.tune import resolve_settings
-
-            num_draft, predictor, cutoff, policy, note = resolve_settings(model, draft, budget, num_draft, predictor, cutoff, policy)
-            if note:
+        engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,
+                      threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
+                      projection=projection, forecast_k=forecast_k,
+                      max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
+                      inject=inject or "")
+        with engine:
+            om = engine.model
+            for note in engine.notes:
                 err_console.print(note, highlight=False)
-        policy = policy or "lru"
-        mx.random.seed(seed)
-        from runtime.cache import GovernorConfig
-
-        om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy, threads=threads, io_mode=io_mode,
-                                                      verify_checksums=verify, governor=GovernorConfig() if governor else None,
-                                                      inject=inject or ""))
-        try:
             err_console.print(describe_plan(om), highlight=False)
             ids = encode_prompt(om.tokenizer, prompt, chat=chat)
-            detok = om.tokenizer.detokenizer
-            detok.reset()
-
-            def show(token: int) -> None:
-                detok.add_token(token)
-                sys.stdout.write(detok.last_segment)
+            tokens = []
+            for r in stream_generate(engine, ids, max_tokens, temp=temp, top_p=top_p, seed=seed, one_sync=one_sync):
+                tokens.append(r.token)
+                sys.stdout.write(r.text)
                 sys.stdout.flush()
-
-            eos = set(om.tokenizer.eos_token_ids)
-            result = {"model": str(model), "budget": budget, "budget_bytes": om.plan.budget_bytes, "slots": om.plan.slots}
-            if draft is None:
-                tokens, stats = generate_tokens(om.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                                                eos_ids=eos, om=om, on_token=show, one_sync=one_sync)
-                line, result["stats"] = stats.line(), stats.to_json()
+            sys.stdout.write("\n")
+            stats = r.detail
+            result = {"model": str(model), "budget": budget, "budget_bytes": om.plan.budget_bytes, "slots": om.plan.slots,
+                      "stats": stats.to_json()}
+            if engine.draft is None:
+                line = stats.line()
             else:
-                from runtime.decode import run_speculative
-
-                tokens, stats, prefetch_layers = run_speculative(
-                    om, draft, ids, max_tokens=max_tokens, num_draft=num_draft, predictor=predictor, cutoff=cutoff,
-                    projection=projection, temp=temp, top_p=top_p, seed=seed, eos_ids=eos, on_token=show,
-                    max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                    one_sync=one_sync, forecast_k=forecast_k)
-                line, result["stats"] = spec_line(stats, prefetch_layers), stats.to_json()
-                result.update(draft=str(draft), num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy)
-            detok.finalize()
-            sys.stdout.write(detok.last_segment + "\n")
+                d = engine.draft
+                line = spec_line(stats, stats.prefetch_layers)
+                result.update(draft=str(draft), num_draft=d.num_draft, predictor=d.predictor, cutoff=d.cutoff,
+                              policy=engine.policy)
             err_console.print(line, highlight=False)
             if json_path:
                 result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
                 if om.governor is not None:
                     result["governor"] = {**om.governor.stats.to_json(), **om.governor.counters()}
                 write_json(json_path, result)
-        finally:
-            om.close()
 
     @app.command()
     def calibrate(

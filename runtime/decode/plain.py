@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Generator
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -52,17 +52,35 @@ def _counters(om) -> dict:
 
 def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
                     eos_ids=(), om=None, on_token: Callable[[int], None] | None = None,
-                    one_sync: str = "auto") -> tuple[list[int], GenerationStats]:
-    """Generate up to `max_tokens` after `prompt_ids`. `om` (an OffloadedModel) supplies paging counters
-    and, unless one_sync is "off", its decode steps are tried with one host sync (OneSyncModel;
-    "auto" backs off while they fail, "on" always tries)."""
+                    one_sync: str = "auto", sampler=None) -> tuple[list[int], GenerationStats]:
+    """All of stream_tokens at once: (tokens, stats); on_token(token) is called as each arrives."""
+    tokens: list[int] = []
+    run = stream_tokens(model, prompt_ids, max_tokens=max_tokens, temp=temp, top_p=top_p, eos_ids=eos_ids, om=om,
+                        one_sync=one_sync, sampler=sampler)
+    while True:
+        try:
+            token = next(run)
+        except StopIteration as done:
+            return tokens, done.value
+        tokens.append(token)
+        if on_token:
+            on_token(token)
+
+
+def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
+                  eos_ids=(), om=None, one_sync: str = "auto", sampler=None) -> Generator[int, None, GenerationStats]:
+    """Yield up to `max_tokens` token ids after `prompt_ids`; the generator returns the run's stats.
+
+    `om` (an OffloadedModel) supplies paging counters and, unless one_sync is "off", its decode steps
+    are tried with one host sync (OneSyncModel; "auto" backs off while they fail, "on" always tries).
+    `sampler` (mlx-lm's make_sampler) overrides temp/top_p."""
     if one_sync not in ("auto", "on", "off"):
         raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
     if max_tokens < 1:
         raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenization; expected at least one token")
-    sampler = make_sampler(temp=temp, top_p=top_p)
+    sampler = sampler or make_sampler(temp=temp, top_p=top_p)
     one_sync_model = None
     if om is not None and one_sync != "off":
         from runtime.decode.one_sync import OneSyncGate, OneSyncModel
@@ -78,15 +96,14 @@ def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: floa
         if t_first is None:
             t_first, c1 = time.perf_counter(), _counters(om)
         tokens.append(token)
-        if on_token:
-            on_token(token)
+        yield token
         if token in eos_ids:
             break
     t_end = time.perf_counter()
     c2 = _counters(om)
     n_decode = max(0, len(tokens) - 1)
     hits, misses = c2["hits"] - c1["hits"], c2["misses"] - c1["misses"]
-    stats = GenerationStats(
+    return GenerationStats(
         n_prompt_tokens=len(prompt_ids),
         n_tokens=len(tokens),
         prefill_s=t_first - t0,
@@ -102,7 +119,6 @@ def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: floa
         one_sync_tries=one_sync_model.stats.tries if one_sync_model else 0,
         one_sync_fallbacks=one_sync_model.stats.fallbacks if one_sync_model else 0,
     )
-    return tokens, stats
 
 
 def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:

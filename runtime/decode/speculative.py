@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -87,6 +88,7 @@ class SpecStats:
     decode_s: float = 0.0  # wall time of all rounds
     prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
     per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
+    prefetch_layers: list[int] = field(default_factory=list)  # the MoE layers forecasts were prefetched for
     counters: dict[str, float] = field(default_factory=dict)  # cache/loader counter deltas over the rounds
 
     @property
@@ -130,7 +132,7 @@ class SpeculativeDecoder:
         self.forecast_layers = self.prefetch_layers
         self.cache = make_prompt_cache(target.model)
         self.rng = np.random.default_rng(cfg.seed)
-        self.stats = SpecStats(per_layer={l: ForecastScore() for l in moe})
+        self.stats = SpecStats(per_layer={l: ForecastScore() for l in moe}, prefetch_layers=list(self.prefetch_layers))
         self._routing: dict[int, np.ndarray] = {}
         self._round = 0
         self._forecast = ExpertForecast.empty()
@@ -260,25 +262,33 @@ class SpeculativeDecoder:
         return draft.tokens[:n] + [token]
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None) -> list[int]:
+        """All of stream() at once; on_token(token) is called as each arrives."""
+        out: list[int] = []
+        for token in self.stream(prompt_ids, max_tokens, eos_ids):
+            out.append(token)
+            if on_token:
+                on_token(token)
+        return out
+
+    def stream(self, prompt_ids: list[int], max_tokens: int, eos_ids=()) -> Iterator[int]:
+        """Yield up to `max_tokens` tokens after `prompt_ids`, a round's tokens as the round ends.
+        self.stats covers the run once the generator is exhausted or closed."""
         if max_tokens < 1:
             raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
         pending = self.prefill(prompt_ids)
         c0 = self.target.counters()
         t0 = time.perf_counter()
-        out: list[int] = []
-        while len(out) < max_tokens:
-            for token in self.step(pending):
-                out.append(token)
-                if on_token:
-                    on_token(token)
-                if token in eos_ids or len(out) >= max_tokens:
-                    break
-            else:
-                pending = out[-1]
-                continue
-            break
-        self.stats.decode_s += time.perf_counter() - t0
-        self.stats.n_tokens += len(out)
-        c1 = self.target.counters()
-        self.stats.counters = {k: c1[k] - c0[k] for k in c1}
-        return out
+        n_out = 0
+        try:
+            while n_out < max_tokens:
+                for token in self.step(pending):
+                    n_out += 1
+                    yield token
+                    if token in eos_ids or n_out >= max_tokens:
+                        return
+                    pending = token
+        finally:
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.n_tokens += n_out
+            c1 = self.target.counters()
+            self.stats.counters = {k: c1[k] - c0[k] for k in c1}

@@ -1,0 +1,218 @@
+"""The Python API, in mlx-lm's shape: `load`, then `stream_generate` or `generate`.
+
+    from runtime import load, stream_generate
+    engine = load("~/models/q3.specmoe", budget="40%", draft="~/models/Qwen3-0.6B-4bit")
+    for r in stream_generate(engine, "Hello", max_tokens=64):
+        print(r.text, end="", flush=True)
+    print(r.stats)          # hit rate, misses, bytes read, acceptance, tokens/s
+
+`load` opens the model with its routed experts paged from disk into a budgeted cache (and the
+drafter, if given); `stream_generate` yields one `GenerationResponse` per emitted token, plain or
+speculative, each carrying the run's statistics so far; `generate` returns the text.
+
+Invariants: a prompt string is tokenized as given (apply a chat template yourself, as with
+mlx-lm); greedy output equals the resident mlx-lm model's; every call starts a fresh KV cache and
+leaves the expert cache warm for the next; the drafter's taps are removed when a stream ends,
+however it ends (exhausted, closed early, or raising).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from runtime.cache import GovernorConfig
+from runtime.decode import OffloadConfig, OffloadedModel, load_drafter, release_drafter, speculative_decoder, stream_tokens
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    path: Path  # drafter directory (an mlx-lm model sharing the target's tokenizer)
+    num_draft: int  # K: tokens proposed per round
+    predictor: str  # expert forecaster: none, previous, popularity, spmoe, oracle
+    cutoff: int | None  # prefetch for the first `cutoff` MoE layers; None: all, 0: none
+    projection: Path | None = None  # drafter->target projection file (spmoe); None: next to the target
+    forecast_k: int | None = None  # experts taken per window token by spmoe; None: the target's k
+    max_prefetch_bytes: int | None = None  # cap on prefetch reads per round; None: the cache itself
+
+
+@dataclass
+class Engine:
+    """What `load` returns and `stream_generate` / `generate` take."""
+
+    model: OffloadedModel  # the target, experts paged through its cache
+    draft: DraftSettings | None = None  # speculative decoding when set
+    notes: list[str] = field(default_factory=list)  # where settings came from (tuning.json, defaults)
+    policy: str = "lru"  # the expert cache's eviction policy
+    _draft_model: object = None
+    _draft_config: dict | None = None
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def close(self) -> None:
+        self.model.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """Running statistics of one stream_generate call, up to the response that carries them."""
+
+    prompt_tokens: int  # tokens in the prompt
+    prompt_tps: float  # prompt tokens / time to the first emitted token
+    generation_tokens: int  # tokens emitted so far
+    generation_tps: float  # tokens after the first / time since the first
+    hit_rate: float  # unique experts found resident / requested, since the call started
+    misses: int  # experts read on demand since the call started
+    bytes_read: int  # bytes read from disk since the call started (demand + prefetch)
+    acceptance: float | None  # accepted / drafted tokens (speculative), None when plain
+    peak_memory_gb: float  # MLX allocator peak, GB
+
+
+@dataclass(frozen=True)
+class GenerationResponse:
+    text: str  # the next segment of decoded text (may be empty)
+    token: int  # the emitted token id
+    stats: RunStats  # the run so far
+    finish_reason: str | None = None  # "stop" (end of sequence), "length" (max_tokens) or None
+    detail: object = None  # last response only: GenerationStats (plain) or SpecStats (speculative)
+
+
+def load(model: str | Path, budget: str = "auto", draft: str | Path | None = None, *, num_draft: int | None = None,
+         predictor: str | None = None, cutoff: int | None = None, policy: str | None = None, threads: int = 4,
+         io_mode: str = "buffered", verify: bool = True, memory_governor: bool = True,
+         projection: str | Path | None = None, forecast_k: int | None = None,
+         max_prefetch_bytes: int | None = None, inject: str = "") -> Engine:
+    """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
+    paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
+    settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
+    `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
+    notes = []
+    settings = None
+    if draft is not None:
+        from runtime.tune import resolve_settings
+
+        num_draft, predictor, cutoff, policy, note = resolve_settings(Path(model), Path(draft), budget, num_draft,
+                                                                      predictor, cutoff, policy)
+        if note:
+            notes.append(note)
+        settings = DraftSettings(Path(draft), num_draft, predictor, cutoff,
+                                 Path(projection) if projection else None, forecast_k, max_prefetch_bytes)
+    om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or "lru", threads=threads,
+                                                  io_mode=io_mode, verify_checksums=verify,
+                                                  governor=GovernorConfig() if memory_governor else None,
+                                                  inject=inject))
+    engine = Engine(om, settings, notes, policy or "lru")
+    if settings is not None:
+        try:
+            engine._draft_model, engine._draft_config = load_drafter(settings.path, om)
+        except BaseException:
+            om.close()
+            raise
+    return engine
+
+
+def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 256, *, temp: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                    one_sync: str = "auto") -> Iterator[GenerationResponse]:
+    """Yield one GenerationResponse per emitted token; the last has finish_reason set."""
+    om, tokenizer = engine.model, engine.tokenizer
+    if isinstance(prompt, str):  # as mlx-lm: no second BOS when the prompt already starts with one
+        bos = getattr(tokenizer, "bos_token", None)
+        ids = list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty after tokenization; expected at least one token")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens {max_tokens}; expected >= 1")
+    if seed is not None:
+        mx.random.seed(seed)
+    eos = set(tokenizer.eos_token_ids)
+    decoder = None
+    if engine.draft is None:
+        sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        tokens = stream_tokens(om.model, ids, max_tokens=max_tokens, eos_ids=eos, om=om, one_sync=one_sync,
+                               sampler=sampler)
+    else:
+        if temp > 0 and (top_k > 0 or min_p > 0):
+            raise ValueError("top_k / min_p with a drafter at temp > 0: not supported yet; use top_p, or no drafter")
+        d = engine.draft
+        decoder = speculative_decoder(om, d.path, ids, max_tokens=max_tokens, num_draft=d.num_draft,
+                                      predictor=d.predictor, cutoff=d.cutoff, projection=d.projection, temp=temp,
+                                      top_p=top_p, seed=0 if seed is None else seed, eos_ids=eos,
+                                      draft_model=engine._draft_model, draft_config=engine._draft_config,
+                                      one_sync=one_sync, forecast_k=d.forecast_k,
+                                      max_prefetch_bytes=d.max_prefetch_bytes)
+        tokens = decoder.stream(ids, max_tokens, eos)
+    try:
+        yield from _responses(tokens, tokenizer, om, decoder, len(ids), max_tokens, eos)
+    finally:
+        tokens.close()
+        if decoder is not None:
+            release_drafter(decoder.drafter)
+
+
+def generate(engine: Engine, prompt: str | list[int], max_tokens: int = 256, **kwargs) -> str:
+    """The whole text stream_generate produces (same arguments)."""
+    return "".join(r.text for r in stream_generate(engine, prompt, max_tokens, **kwargs))
+
+
+def _responses(tokens, tokenizer, om, decoder, n_prompt: int, max_tokens: int, eos) -> Iterator[GenerationResponse]:
+    detok = tokenizer.detokenizer
+    detok.reset()
+    c0 = om.counters()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    t_first = None
+    for n, token in enumerate(tokens, start=1):
+        now = time.perf_counter()
+        t_first = t_first or now
+        finish = "stop" if token in eos else ("length" if n >= max_tokens else None)
+        if finish != "stop":
+            detok.add_token(token)
+        detail = None
+        if finish:
+            detok.finalize()
+            detail = _drain(tokens) if decoder is None else decoder.stats
+        c = om.counters()
+        hits, misses = c["hits"] - c0["hits"], c["misses"] - c0["misses"]
+        acceptance = None
+        if decoder is not None:
+            st = decoder.stats
+            acceptance = st.n_accepted / st.n_drafted if st.n_drafted else 0.0
+        stats = RunStats(
+            prompt_tokens=n_prompt,
+            prompt_tps=n_prompt / max(t_first - t0, 1e-9),
+            generation_tokens=n,
+            generation_tps=(n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0,
+            hit_rate=hits / (hits + misses) if hits + misses else 1.0,
+            misses=misses,
+            bytes_read=c["bytes_read"] - c0["bytes_read"],
+            acceptance=acceptance,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+        )
+        yield GenerationResponse(detok.last_segment, token, stats, finish, detail)
+        if finish:
+            return
+
+
+def _drain(tokens):
+    """The value a finished token generator returns (its run's stats), None if it had more to give."""
+    try:
+        next(tokens)
+    except StopIteration as done:
+        return done.value
+    return None

@@ -1,0 +1,74 @@
+"""The public API (`from runtime import load, generate, stream_generate`) against stock mlx-lm.
+
+Only the public names are used here: what a user of the package writes."""
+
+import pytest
+from conftest import greedy_ids
+from mlx_lm import load as mlx_load
+from mlx_lm import stream_generate as mlx_stream_generate
+
+from runtime import generate, load, stream_generate
+from runtime.checkpoints import embedded_pair
+
+PROMPT = "Enter the king, with his lords."
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return embedded_pair()
+
+
+@pytest.fixture(scope="module")
+def stock(pair):
+    model, tokenizer = mlx_load(str(pair.target))
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("budget", ["100%", "25%"])
+def test_public_api_greedy_tokens_equal_stock(pair, stock, budget):
+    model, tokenizer = stock
+    ids = list(tokenizer.encode(PROMPT))
+    expected = greedy_ids(model, ids, 24)
+    with load(pair.target, budget=budget) as engine:
+        responses = list(stream_generate(engine, PROMPT, max_tokens=24))
+    assert [r.token for r in responses] == expected[: len(responses)]
+    assert len(responses) == 24 or responses[-1].token in tokenizer.eos_token_ids
+    assert [r.finish_reason for r in responses[:-1]] == [None] * (len(responses) - 1)
+    assert responses[-1].finish_reason in ("stop", "length")
+    stats = responses[-1].stats
+    assert stats.generation_tokens == len(responses) and stats.prompt_tokens == len(ids)
+    assert stats.acceptance is None and 0.0 <= stats.hit_rate <= 1.0
+    if budget == "25%":
+        assert stats.misses > 0 and stats.bytes_read > 0  # a quarter of the experts cannot serve a run without reads
+
+
+def test_public_api_text_equals_stock_stream_generate(pair, stock):
+    model, tokenizer = stock
+    want = "".join(r.text for r in mlx_stream_generate(model, tokenizer, PROMPT, max_tokens=20))
+    with load(pair.target, budget="50%") as engine:
+        assert generate(engine, PROMPT, max_tokens=20) == want
+
+
+def test_speculative_through_the_api_equals_plain_and_reports_acceptance(pair):
+    with load(pair.target, budget="50%") as plain:
+        want = [r.token for r in stream_generate(plain, PROMPT, max_tokens=20)]
+    with load(pair.target, budget="50%", draft=pair.default_drafter, num_draft=3, predictor="spmoe") as engine:
+        responses = list(stream_generate(engine, PROMPT, max_tokens=20))
+        assert [r.token for r in responses] == want
+        last = responses[-1]
+        assert 0.0 <= last.stats.acceptance <= 1.0
+        assert last.detail.n_tokens == len(responses) and last.detail.n_rounds >= 1
+        # A stream closed early releases the drafter: a new stream still works and is still lossless.
+        early = stream_generate(engine, PROMPT, max_tokens=20)
+        first = next(early)
+        early.close()
+        assert first.token == want[0]
+        assert [r.token for r in stream_generate(engine, PROMPT, max_tokens=20)] == want
+
+
+def test_bad_arguments_are_value_errors(pair):
+    with load(pair.target, budget="50%") as engine:
+        with pytest.raises(ValueError, match="max_tokens 0"):
+            list(stream_generate(engine, PROMPT, max_tokens=0))
+        with pytest.raises(ValueError, match="prompt is empty"):
+            list(stream_generate(engine, [], max_tokens=4))
