@@ -14,13 +14,8 @@ from typer.testing import CliRunner
 from runtime.cli import plan as plan_cli
 from runtime.cache.budget import BudgetSpec
 from runtime.plan.mac_profiles import GIB, MIB, known_chips, mac_profile, measured_profile
-from runtime.plan.model_costs import (
-    affine_bytes_per_weight,
-    load_model_config,
-    model_costs,
-    preset,
-    preset_names,
-)
+from runtime.plan.model_costs import affine_bytes_per_weight, model_costs
+from runtime.plan.model_presets import load_model_config, preset, preset_names
 from runtime.plan.planner import (
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,

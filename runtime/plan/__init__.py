@@ -8,7 +8,8 @@ so; every constant it uses names its source.
 """
 
 from runtime.plan.mac_profiles import MacProfile, mac_profile, measured_profile
-from runtime.plan.model_costs import ModelCosts, load_model_config, model_costs
+from runtime.plan.model_costs import ModelCosts, model_costs
+from runtime.plan.model_presets import load_model_config
 from runtime.plan.planner import (
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,

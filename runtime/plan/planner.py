@@ -26,7 +26,8 @@ from pathlib import Path
 
 from runtime.cache import HEADROOM_FRACTION, HEADROOM_MIN_BYTES, BudgetSpec
 from runtime.plan.mac_profiles import MacProfile
-from runtime.plan.model_costs import ModelCosts, hit_rate_observations
+from runtime.plan.model_costs import ModelCosts
+from runtime.plan.model_presets import hit_rate_observations
 from runtime.observe import (
     expected_tokens_per_round,
     fit_power_law_exponent,
