@@ -1,37 +1,42 @@
-"""Validate the planner's cost model against published Mac decode speeds.
+"""Validate the planner's cost model against published lossless Mac decode speeds, leave-one-out.
 
 Physics: single-stream MoE decode on a Mac is a sum of byte movements and fixed costs. Resident
-weights and the experts in use stream from unified memory (100-550 GB/s), missed experts come from
-the OS page cache (~10 GB/s) or the SSD (1.5-17 GB/s), and every MoE layer pays host round-trips and
-kernel launches. The cost model adds these; it has ONE free constant, the per-layer overhead
-(ms per MoE layer per forward), fitted here on one published run and then tested on the others.
+weights and the experts in use stream from unified memory, missed experts come from the OS page
+cache (~10 GB/s) or the SSD (1.5-17 GB/s). Cost model v2 (runtime/plan/engine_costs.py) prices the
+fixed part from what each engine's code does: host syncs per forward and per layer at MLX's measured
+~180 us, command-buffer boundaries at ~20 us, and ONE fitted constant, `layer_us` (fixed GPU time per
+MoE layer: dispatch and small-kernel time the byte roofline misses). One constant for 24 rows.
 
-Each row is a published measurement with its source key (shared/reference/mac-and-models.md and
-offload-systems.md). Inputs a source does not state are assumptions, listed in the row's note.
-Hit rates are the published figure where there is one ("pub"), else the planner's prior ("prior").
+For every row, `layer_us` is fitted on all OTHER rows (least absolute log error) and the row is then
+projected: its leave-one-out error. The table also shows v1 (one fitted 1.342 ms per layer of
+"sync", fitted on row m1pro-35b-k8) for comparison. Rows and engine kinds: bench/planner_rows.py.
 
-Prints a fixed-width table (projection vs published, error %), then one JSON line.
+Prints a fixed-width table (or --markdown), the medians, then one JSON line.
 Run: python bench/validate_planner.py [--markdown]
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.planner_rows import ENGINES, ROWS, Row  # noqa: E402
 from runtime.cache import BudgetSpec  # noqa: E402
-from runtime.plan import mac_profile  # noqa: E402
-from runtime.plan import load_model_config, model_costs  # noqa: E402
 from runtime.plan import (  # noqa: E402
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,
     HitRates,
     hit_rates,
+    load_model_config,
+    mac_profile,
+    model_costs,
     plan_memory,
     project,
 )
@@ -40,86 +45,86 @@ CONTEXT_TOKENS = 256  # assumption: the published runs are short-prompt generati
 ENGINE_SCRATCH_BYTES = 200_000_000  # [FM]: ~200 MB of Metal scratch beside the weights
 
 
-@dataclass(frozen=True)
-class Row:
-    key: str  # short id
-    role: str  # "fit" (used to fit the overhead constant) or "test" (compared only)
-    group: str  # engine family: "pread+page cache" (flash-moe line), "MLX app cache", "resident"
-    mac: str  # planner Mac id
-    ssd_gb: int | None  # SSD capacity, None = the chip's default
-    model: str  # planner preset
-    bits: int  # expert/weight bits
-    top_k: int | None  # experts per token the engine used, None = the model's
-    cache_bytes: int  # app-level expert cache (0 for page-cache engines; all = resident)
-    page_cache: bool  # engine relies on the OS page cache
-    published_hit: float | None  # published hit rate (all tiers), None = planner prior
-    published_tok_s: float  # the measurement
-    source: str  # where it was published
-    note: str  # assumptions made for this row
-
-
-_ALL = 10**15  # "every expert cached"
-ROWS = (
-    Row("m1pro-35b-k8", "fit", "pread+page cache", "m1pro-16gb", None, "qwen3.5-35b-a3b", 4, 8, 0, True,
-        None, 8.28, "[M1P] flash-moe-M1", "SSD 5.24 GB/s [M1P]"),
-    Row("m1pro-35b-k6", "test", "pread+page cache", "m1pro-16gb", None, "qwen3.5-35b-a3b", 4, 6, 0, True,
-        None, 9.71, "[M1P] flash-moe-M1", "as above"),
-    Row("m1pro-35b-k5", "test", "pread+page cache", "m1pro-16gb", None, "qwen3.5-35b-a3b", 4, 5, 0, True,
-        None, 11.13, "[M1P] flash-moe-M1", "as above"),
-    Row("m1pro-35b-k4", "test", "pread+page cache", "m1pro-16gb", None, "qwen3.5-35b-a3b", 4, 4, 0, True,
-        None, 12.22, "[M1P] flash-moe-M1", "as above"),
-    Row("m4-35b-k6", "test", "pread+page cache", "m4-16gb", None, "qwen3.5-35b-a3b", 4, 6, 0, True,
-        None, 11.5, "[M1P] tayoun flash-moe", "SSD size not stated: 256 GB assumed"),
-    Row("m4-35b-k4", "test", "pread+page cache", "m4-16gb", 256, "qwen3.5-35b-a3b", 4, 4, 0, True,
-        None, 6.61, "[FM35] flash-moe-35b", "conflicts with the row above on the same machine class"),
-    Row("m3max-397b-k4", "test", "pread+page cache", "m3max-48gb", 1000, "qwen3.5-397b-a17b", 4, 4, 0, True,
-        0.71, 4.36, "[FM] flash-moe", "SSD 17.5 GB/s is disputed (U); page-cache GB/s was derived from this run"),
-    Row("m4pro64-397b-k4", "test", "pread+page cache", "m4pro-64gb", 512, "qwen3.5-397b-a17b", 4, 4, 0, True,
-        None, 3.17, "[HH] internal SSD", "K=4 as in flash-moe"),
-    Row("m4pro24-397b", "test", "pread+page cache", "m4pro-24gb", None, "qwen3.5-397b-a17b", 4, 4, 0, True,
-        None, 3.50, "flash-moe PR #21", "K and SSD size not stated: K=4, 512 GB assumed"),
-    Row("m4-30b-mlxvlm", "test", "MLX app cache", "m4-16gb", 256, "qwen3-30b-a3b", 4, None, 9_230_000_000, False,
-        None, 14.1, "mlx-vlm PR #1813", "10.6 GB process: cache = 10.6 - 0.87 resident - 0.5 KV/scratch (assumed)"),
-    Row("m4-30b-sniper", "test", "MLX app cache", "m4-16gb", 256, "qwen3-30b-a3b", 4, None, 8_000_000_000, False,
-        0.86, 3.3, "[WG] MLX sniper", "8 GB LRU + prefetch"),
-    Row("m4-36b-3bit-2gb", "test", "MLX app cache", "m4-16gb", 256, "qwen3.6-35b-a3b", 3, None, 2_000_000_000, False,
-        0.60, 3.0, "turboquant-mlx PR #11", "3-bit"),
-    Row("m4-36b-3bit-8gb", "test", "MLX app cache", "m4-16gb", 256, "qwen3.6-35b-a3b", 3, None, 8_000_000_000, False,
-        0.91, 4.5, "turboquant-mlx PR #11", "3-bit"),
-    Row("m4-36b-mlx1438", "test", "MLX app cache", "m4-16gb", 256, "qwen3.6-35b-a3b", 4, None, 7_800_000_000, False,
-        None, 17.2, "[MLX1438]", "RAM and bits not stated: 16 GB, 4-bit; cache = 9.7 GB ceiling - 1.39 - 0.5"),
-    Row("m3max-35b-resident", "test", "resident", "m3max-64gb", None, "qwen3.5-35b-a3b", 4, None, _ALL, False,
-        1.0, 58.3, "[HI] llama-server", "Q4_K_M approximated as mlx 4-bit"),
-    Row("m4pro-35b-resident", "test", "resident", "m4pro-48gb", None, "qwen3.5-35b-a3b", 4, None, _ALL, False,
-        1.0, 30.0, "[WGr]", "published as '30+'; Q4 approximated as mlx 4-bit"),
-)
+@lru_cache(maxsize=None)
+def _inputs(row: Row):
+    name, config, _ = load_model_config(row.model)
+    model = model_costs(config, bits=row.bits, top_k=row.top_k, name=name)
+    mac = mac_profile(row.mac, ssd_capacity_gb=row.ssd_gb)
+    if row.ssd_gbps is not None:
+        mac = replace(mac, ssd_read_gbps=row.ssd_gbps)
+    cache = row.cache_bytes if row.cache_fraction is None else int(row.cache_fraction * model.expert_total_bytes)
+    headroom = ENGINE_SCRATCH_BYTES if row.page_cache else 500_000_000
+    memory = plan_memory(model, mac, BudgetSpec("bytes", float(cache), f"{cache}B"), CONTEXT_TOKENS,
+                         headroom_bytes=headroom, page_cache=row.page_cache)
+    if row.published_hit is None:
+        hits = hit_rates(memory)
+    elif row.page_cache and cache == 0:
+        hits = HitRates(0.0, row.published_hit, "published")  # all hits come from the page cache
+    else:
+        hits = HitRates(row.published_hit, 0.0, "published")
+    return model, mac, hits
 
 
 def project_row(row: Row, constants: CostConstants) -> tuple[float, HitRates]:
     """Projected tok/s for a row (plain decode, no prefetch, no speculation) and the hit rates used."""
-    name, config, _ = load_model_config(row.model)
-    model = model_costs(config, bits=row.bits, top_k=row.top_k, name=name)
-    mac = mac_profile(row.mac, ssd_capacity_gb=row.ssd_gb)
-    headroom = ENGINE_SCRATCH_BYTES if row.page_cache else 500_000_000
-    memory = plan_memory(model, mac, BudgetSpec("bytes", float(row.cache_bytes), f"{row.cache_bytes}B"), CONTEXT_TOKENS,
-                         headroom_bytes=headroom, page_cache=row.page_cache)
-    if row.published_hit is None:
-        hits = hit_rates(memory)
-    elif row.page_cache and row.cache_bytes == 0:
-        hits = HitRates(0.0, row.published_hit, "published")  # all hits come from the page cache
-    else:
-        hits = HitRates(row.published_hit, 0.0, "published")
-    projection = project(model, mac, hits, constants, context_tokens=CONTEXT_TOKENS)
-    return projection.tok_per_s, hits
+    model, mac, hits = _inputs(row)
+    return project(model, mac, hits, constants, context_tokens=CONTEXT_TOKENS).tok_per_s, hits
 
 
-def fit_sync_ms(rows: tuple[Row, ...]) -> float:
-    """Per-layer overhead minimising squared log error over the fit rows (golden-section search)."""
-    fit_rows = [row for row in rows if row.role == "fit"]
+def v2_constants(row: Row, layer_us: float, wait_us: float | None = None) -> CostConstants:
+    """v2 constants for a row; `wait_us` (model B) re-prices the per-layer waits of engines that sync
+    every layer, else they cost MLX's 180 us like every other sync."""
+    profile = ENGINES[row.engine].profile(layer_us)
+    if wait_us is not None and profile.syncs_per_layer:
+        profile = replace(profile, sync_us=wait_us)
+    return CostConstants(engine=profile)
+
+
+@lru_cache(maxsize=None)
+def _coefficients(row: Row) -> tuple[float, float, float]:
+    """ms/token = c0 + c1 * layer_us + c2 * wait_us: plain decode without prefetch is linear in both."""
+    def ms(layer_us: float, wait_us: float) -> float:
+        return 1000.0 / project_row(row, v2_constants(row, layer_us, wait_us))[0]
+
+    base = ms(0.0, 0.0)
+    return base, (ms(1000.0, 0.0) - base) / 1000, (ms(0.0, 1000.0) - base) / 1000
+
+
+def _loss(rows, layer_us: float, wait_us: float) -> float:
+    total = 0.0
+    for row in rows:
+        c0, c1, c2 = _coefficients(row)
+        total += abs(math.log(1000.0 / (c0 + c1 * layer_us + c2 * wait_us) / row.published_tok_s))
+    return total
+
+
+def fit(rows, model: str) -> tuple[float, float | None]:
+    """Least absolute log error over `rows`. Model "A": layer_us only (waits at 180 us).
+    Model "B": layer_us and the per-layer wait price; a grid, then a finer grid around the best."""
+    from runtime.plan.engine_costs import MLX_DEFAULT_FENCE_US
+
+    layer_grid = [10.0 * i for i in range(0, 301)]
+    if model == "A":
+        best = min(layer_grid, key=lambda u: _loss(rows, u, MLX_DEFAULT_FENCE_US))
+        fine = [best + 0.5 * i for i in range(-20, 21) if best + 0.5 * i >= 0]
+        return min(fine, key=lambda u: _loss(rows, u, MLX_DEFAULT_FENCE_US)), None
+    wait_grid = [25.0 * i for i in range(0, 81)]
+    best = min(((u, w) for u in layer_grid[::2] for w in wait_grid), key=lambda p: _loss(rows, *p))
+    fine = [(best[0] + 2.0 * i, best[1] + 2.5 * j) for i in range(-10, 11) for j in range(-10, 11)
+            if best[0] + 2.0 * i >= 0 and best[1] + 2.5 * j >= 0]
+    return min(fine, key=lambda p: _loss(rows, *p))
+
+
+V1_FIT_ROW = "m1pro-35b-k8"
+
+
+def fit_sync_ms(rows) -> float:
+    """v1's constant: per-layer "sync" ms minimising squared log error on the v1 fit row (golden-section)."""
+    fit_rows = [row for row in rows if row.key == V1_FIT_ROW]
 
     def loss(sync_ms: float) -> float:
         constants = CostConstants(sync_ms_per_layer=sync_ms)
-        return sum((_log_ratio(project_row(row, constants)[0], row.published_tok_s)) ** 2 for row in fit_rows)
+        return sum(math.log(project_row(row, constants)[0] / row.published_tok_s) ** 2 for row in fit_rows)
 
     low, high = 0.0, 10.0
     ratio = (5**0.5 - 1) / 2
@@ -129,58 +134,102 @@ def fit_sync_ms(rows: tuple[Row, ...]) -> float:
     return (low + high) / 2
 
 
-def _log_ratio(projected: float, published: float) -> float:
-    import math
+def fit_layer_us(rows) -> float:
+    """Model A's one constant on `rows` (kept for the planner default and tests)."""
+    return fit(rows, "A")[0]
 
-    return math.log(projected / published)
+
+def _error(projected: float, published: float) -> float:
+    return 100 * (projected - published) / published
+
+
+def validate() -> dict:
+    """Every row's v1 error and its v2 leave-one-out errors under models A and B, with the fits."""
+    from runtime.plan.engine_costs import MLX_DEFAULT_FENCE_US
+
+    fits = {"A": fit(ROWS, "A"), "B": fit(ROWS, "B")}
+    v1 = CostConstants(sync_ms_per_layer=DEFAULT_SYNC_MS_PER_LAYER)
+    results = []
+    for i, row in enumerate(ROWS):
+        others = [r for j, r in enumerate(ROWS) if j != i]
+        v1_tok_s, hits = project_row(row, v1)
+        result = {
+            "row": row.key, "group": row.group, "engine": ENGINES[row.engine].label, "mac": row.mac,
+            "model": row.model, "bits": row.bits, "top_k": row.top_k,
+            "hit_rate": round(hits.cache + hits.page_cache, 3),
+            "hit_source": "pub" if row.published_hit is not None else "prior",
+            "published_tok_s": row.published_tok_s, "v1_tok_s": round(v1_tok_s, 2),
+            "v1_error_pct": round(_error(v1_tok_s, row.published_tok_s), 1),
+            "source": row.source, "differences": row.differences, "note": row.note,
+        }
+        for name in ("A", "B"):
+            layer_us, wait_us = fit(others, name)
+            tok_s = project_row(row, v2_constants(row, layer_us, wait_us))[0]
+            result[f"loo_{name}"] = {"layer_us": round(layer_us, 1),
+                                     "wait_us": round(wait_us if wait_us is not None else MLX_DEFAULT_FENCE_US, 1),
+                                     "tok_s": round(tok_s, 2),
+                                     "error_pct": round(_error(tok_s, row.published_tok_s), 1)}
+        results.append(result)
+    summary = {"all": _medians(results)}
+    for group in dict.fromkeys(row.group for row in ROWS):
+        summary[group] = _medians([r for r in results if r["group"] == group])
+    return {"bench": "validate_planner", "cost_model": "v2", "context_tokens": CONTEXT_TOKENS,
+            "fit_A_all_rows": {"layer_us": round(fits["A"][0], 1), "wait_us": MLX_DEFAULT_FENCE_US},
+            "fit_B_all_rows": {"layer_us": round(fits["B"][0], 1), "wait_us": round(fits["B"][1], 1)},
+            "v1_sync_ms_per_layer": DEFAULT_SYNC_MS_PER_LAYER, "n_rows": len(results), "summary": summary,
+            "rows": results}
+
+
+def _medians(results: list[dict]) -> dict:
+    med = statistics.median
+    return {"n_rows": len(results),
+            "median_abs_loo_A_error_pct": round(med(abs(r["loo_A"]["error_pct"]) for r in results), 1),
+            "median_abs_loo_B_error_pct": round(med(abs(r["loo_B"]["error_pct"]) for r in results), 1),
+            "median_abs_v1_error_pct": round(med(abs(r["v1_error_pct"]) for r in results), 1)}
+
+
+def render(record: dict, markdown: bool) -> str:
+    lines = []
+    header = ("row", "engine", "Mac", "model", "K", "hit", "published", "v1", "v1 err", "A (LOO)", "A err",
+              "B (LOO)", "B err")
+    if markdown:
+        lines.append("| " + " | ".join(header) + " | source | engine differences | assumptions |")
+        lines.append("|" + "---|" * (len(header) + 3))
+    else:
+        lines.append(f"{'row':18s} {'engine':26s} {'Mac':11s} {'K':>2s} {'hit':>10s} {'published':>9s} "
+                     f"{'v1':>6s} {'v1 err':>7s} {'A LOO':>6s} {'A err':>6s} {'B LOO':>6s} {'B err':>6s}  source")
+    for r in record["rows"]:
+        k_text = str(r["top_k"]) if r["top_k"] else "-"
+        a, b = r["loo_A"], r["loo_B"]
+        cells = (r["row"], r["engine"], r["mac"], r["model"], k_text, f"{r['hit_rate']:.2f} {r['hit_source']}",
+                 f"{r['published_tok_s']:.2f}", f"{r['v1_tok_s']:.2f}", f"{r['v1_error_pct']:+.0f}%",
+                 f"{a['tok_s']:.2f}", f"{a['error_pct']:+.0f}%", f"{b['tok_s']:.2f}", f"{b['error_pct']:+.0f}%")
+        if markdown:
+            lines.append("| " + " | ".join(cells) + f" | {r['source']} | {r['differences']} | {r['note']} |")
+        else:
+            lines.append(f"{cells[0]:18s} {cells[1]:26s} {cells[2]:11s} {cells[4]:>2s} {cells[5]:>10s} "
+                         f"{cells[6]:>9s} {cells[7]:>6s} {cells[8]:>7s} {cells[9]:>6s} {cells[10]:>6s} "
+                         f"{cells[11]:>6s} {cells[12]:>6s}  {r['source']}")
+    fa, fb = record["fit_A_all_rows"], record["fit_B_all_rows"]
+    lines += [
+        "",
+        f"v2 model A (1 fitted constant): layer_us = {fa['layer_us']:.0f} us per MoE layer on all {record['n_rows']} "
+        "rows; every host sync 180 us, command buffers 20 us (mlx issues 4438, 4521)",
+        f"v2 model B (2 fitted constants): layer_us = {fb['layer_us']:.0f} us, and a per-layer wait of engines that "
+        f"sync every layer = {fb['wait_us']:.0f} us (once-per-forward syncs stay 180 us)",
+        "LOO = each row projected with constants fitted on the other rows (least absolute log error)",
+        f"v1: sync_ms_per_layer = {record['v1_sync_ms_per_layer']} ms fitted on m1pro-35b-k8 only (in-sample there)",
+    ]
+    for group, stats in record["summary"].items():
+        lines.append(f"median |error|, {group} ({stats['n_rows']} rows): A {stats['median_abs_loo_A_error_pct']}%, "
+                     f"B {stats['median_abs_loo_B_error_pct']}% (leave-one-out); v1 {stats['median_abs_v1_error_pct']}%")
+    lines.append("all 'projected' figures are projections of the cost model, not measurements")
+    return "\n".join(lines)
 
 
 def main(markdown: bool = False) -> dict:
-    sync_ms = fit_sync_ms(ROWS)
-    constants = CostConstants(sync_ms_per_layer=sync_ms)
-    results = []
-    for row in ROWS:
-        projected, hits = project_row(row, constants)
-        error_pct = 100 * (projected - row.published_tok_s) / row.published_tok_s
-        hit_text = f"{hits.cache + hits.page_cache:.2f} {'pub' if row.published_hit is not None else 'prior'}"
-        results.append({"row": row.key, "role": row.role, "group": row.group, "mac": row.mac,
-                        "model": row.model, "bits": row.bits, "top_k": row.top_k,
-                        "hit_rate": round(hits.cache + hits.page_cache, 3), "hit_source": hit_text.split()[1],
-                        "published_tok_s": row.published_tok_s, "projected_tok_s": round(projected, 2),
-                        "error_pct": round(error_pct, 1), "source": row.source, "note": row.note})
-    header = ("row", "role", "engine", "Mac", "K", "hit", "published", "projected", "error")
-    lines = []
-    if markdown:
-        lines.append("| " + " | ".join(header) + " | source | assumptions |")
-        lines.append("|" + "---|" * (len(header) + 2))
-    else:
-        lines.append(f"{'row':20s} {'role':4s} {'engine':16s} {'Mac':11s} {'K':>2s} {'hit':>10s} "
-                     f"{'published':>9s} {'projected':>9s} {'error':>7s}  source")
-    for row, result in zip(ROWS, results):
-        k_text = str(row.top_k) if row.top_k else "-"
-        hit_text = f"{result['hit_rate']:.2f} {result['hit_source']}"
-        cells = (row.key, row.role, row.group, row.mac, k_text, hit_text, f"{row.published_tok_s:.2f}",
-                 f"{result['projected_tok_s']:.2f}", f"{result['error_pct']:+.0f}%")
-        if markdown:
-            lines.append("| " + " | ".join(cells) + f" | {row.source} | {row.note} |")
-        else:
-            lines.append(f"{cells[0]:20s} {cells[1]:4s} {cells[2]:16s} {cells[3]:11s} {cells[4]:>2s} "
-                         f"{cells[5]:>10s} {cells[6]:>9s} {cells[7]:>9s} {cells[8]:>7s}  {row.source}")
-    summary = {}
-    for group in dict.fromkeys(row.group for row in ROWS):
-        errors = [abs(r["error_pct"]) for r in results if r["group"] == group and r["role"] == "test"]
-        summary[group] = {"n_test_rows": len(errors), "median_abs_error_pct": round(statistics.median(errors), 1)}
-    print("\n".join(lines))
-    print()
-    print(f"fitted sync_ms_per_layer = {sync_ms:.3f} ms on the 'fit' row(s); planner default "
-          f"DEFAULT_SYNC_MS_PER_LAYER = {DEFAULT_SYNC_MS_PER_LAYER}")
-    print("cross-check, not fitted: [M1P] measures cmd1 + cmd2 GPU waits of 0.927 + 0.435 = 1.362 ms per layer at K=4")
-    for group, stats in summary.items():
-        print(f"median |error| of test rows, {group}: {stats['median_abs_error_pct']}% "
-              f"over {stats['n_test_rows']} rows")
-    print("all 'projected' figures are projections of the cost model, not measurements")
-    record = {"bench": "validate_planner", "fitted_sync_ms_per_layer": round(sync_ms, 3),
-              "context_tokens": CONTEXT_TOKENS, "summary": summary, "rows": results}
+    record = validate()
+    print(render(record, markdown))
     print(json.dumps(record))
     return record
 

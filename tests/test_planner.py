@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from runtime.cli import plan as plan_cli
 from runtime.cache.budget import BudgetSpec
 from runtime.plan.mac_profiles import GIB, MIB, known_chips, mac_profile, measured_profile
+from runtime.plan.engine_costs import DEFAULT_LAYER_US
 from runtime.plan.model_costs import affine_bytes_per_weight, model_costs
 from runtime.plan.model_presets import load_model_config, preset, preset_names
 from runtime.plan.planner import (
@@ -218,6 +219,7 @@ def test_bench_fit_matches_the_planner_default():
     finally:
         sys.modules.pop(spec.name, None)
     assert bench.fit_sync_ms(bench.ROWS) == pytest.approx(DEFAULT_SYNC_MS_PER_LAYER, abs=0.002)
+    assert bench.fit_layer_us(bench.ROWS) == pytest.approx(DEFAULT_LAYER_US, abs=1.0)
 
 
 # --- CLI -------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from runtime.cache import HEADROOM_FRACTION, HEADROOM_MIN_BYTES, BudgetSpec
+from runtime.plan.engine_costs import EngineProfile, engine_overhead
 from runtime.plan.mac_profiles import MacProfile
 from runtime.plan.model_costs import ModelCosts
 from runtime.plan.model_presets import hit_rate_observations
@@ -39,7 +40,7 @@ __all__ = [
     "CostConstants", "MemoryPlan", "default_headroom_bytes", "plan_memory", "HitRates",
     "hit_rates", "hit_rate_prior_exponent", "ForwardTime",
     "forward_time", "SpecAssumptions", "SpecBreakdown", "Projection", "project",
-    "required_hit_rate", "projection_json", "DEFAULT_SYNC_MS_PER_LAYER",
+    "required_hit_rate", "projection_json", "DEFAULT_SYNC_MS_PER_LAYER", "draft_token_ms",
 ]
 
 # Fitted by bench/validate_planner.py on one published run (Qwen3.5-35B-A3B, K=8, M1 Pro 16 GB,
@@ -49,8 +50,9 @@ DEFAULT_SYNC_MS_PER_LAYER = 1.342
 
 @dataclass(frozen=True)
 class CostConstants:
-    sync_ms_per_layer: float = DEFAULT_SYNC_MS_PER_LAYER  # host round-trips + launches per MoE layer per forward
+    sync_ms_per_layer: float = DEFAULT_SYNC_MS_PER_LAYER  # v1: host round-trips + launches per MoE layer per forward
     mem_efficiency: float = 1.0  # achieved/peak memory bandwidth ([FM]: ~418 GiB/s on a 400 GB/s M3 Max)
+    engine: EngineProfile | None = None  # v2: syncs, buffers, layer time and repairs from the code (engine_costs.py)
 
     def __post_init__(self) -> None:
         if self.sync_ms_per_layer < 0:
@@ -197,7 +199,10 @@ class ForwardTime:
     page_cache_ms: float  # pread from the OS page cache
     ssd_ms: float  # pread from SSD
     hidden_io_ms: float  # I/O hidden behind compute by prefetch
-    sync_ms: float  # per-layer host syncs and launches
+    sync_ms: float  # fixed costs: v1 per-layer constant; v2 host syncs + command buffers + layer time
+    repair_ms: float = 0.0  # v2: repairs (a sync and a partial re-run each)
+    repairs: float = 0.0  # v2: repairs of this forward
+    host_syncs: float = 0.0  # v2: host syncs of this forward, repairs included
 
     @property
     def io_ms(self) -> float:
@@ -205,7 +210,7 @@ class ForwardTime:
 
     @property
     def total_ms(self) -> float:
-        return self.dense_ms + self.expert_compute_ms + self.io_ms - self.hidden_io_ms + self.sync_ms
+        return self.dense_ms + self.expert_compute_ms + self.io_ms - self.hidden_io_ms + self.sync_ms + self.repair_ms
 
 
 def forward_time(
@@ -241,11 +246,21 @@ def forward_time(
     expert_ms = max(expert_bytes / bytes_per_ms, expert_flops / flops_per_ms)
     page_cache_ms = expert_bytes * hits.page_cache / (mac.page_cache_read_gbps * 1e6)
     ssd_ms = expert_bytes * hits.ssd / (mac.ssd_read_gbps * 1e6)
-    sync_ms = model.n_moe_layers * constants.sync_ms_per_layer
+    repair_ms = repairs = host_syncs = 0.0
+    if constants.engine is None:
+        sync_ms = model.n_moe_layers * constants.sync_ms_per_layer
+    else:
+        engine = constants.engine
+        overhead = engine_overhead(engine, model.n_moe_layers, dense_ms + expert_ms, 1.0 - hits.cache,
+                                   unique * model.n_moe_layers)
+        sync_ms = overhead.sync_ms + overhead.command_buffer_ms + overhead.layer_ms
+        repair_ms, repairs = overhead.repair_ms, overhead.repairs
+        host_syncs = engine.syncs_per_forward + engine.syncs_per_layer * model.n_moe_layers + repairs
     # The loader runs on its own threads: it can work through compute and host syncs alike.
     window_ms = dense_ms + expert_ms + sync_ms + extra_overlap_ms
     hidden_ms = min(prefetch_recall * (page_cache_ms + ssd_ms), window_ms)
-    return ForwardTime(n_tokens, unique, dense_ms, expert_ms, page_cache_ms, ssd_ms, hidden_ms, sync_ms)
+    return ForwardTime(n_tokens, unique, dense_ms, expert_ms, page_cache_ms, ssd_ms, hidden_ms, sync_ms,
+                       repair_ms, repairs, host_syncs)
 
 
 @dataclass(frozen=True)
@@ -262,6 +277,17 @@ class SpecAssumptions:
             raise ValueError(f"--acceptance must be in [0, 1], got {self.acceptance_rate!r}")
         if self.drafter_bytes < 0:
             raise ValueError(f"--drafter-gb must be >= 0, got {self.drafter_bytes!r}")
+
+
+def draft_token_ms(model: ModelCosts, mac: MacProfile, spec: SpecAssumptions, constants: CostConstants) -> float:
+    """One drafted token: a read of the drafter's weights plus one host round-trip (v1: the per-layer
+    constant); v2 adds the drafter's own layer time, its depth assumed half the target's."""
+    read_ms = spec.drafter_bytes / (mac.mem_bandwidth_gbps * constants.mem_efficiency * 1e6)
+    engine = constants.engine
+    if engine is None:
+        return read_ms + constants.sync_ms_per_layer
+    layers = model.n_layers / 2
+    return read_ms + engine.sync_us / 1000 + layers * (engine.layer_us + engine.command_buffer_us) / 1000
 
 
 @dataclass(frozen=True)
@@ -303,8 +329,7 @@ def project(
     if spec is None:
         return Projection(label or "baseline", 1000.0 / step.total_ms, step.total_ms, step, None)
     bytes_per_ms = mac.mem_bandwidth_gbps * constants.mem_efficiency * 1e6
-    # A drafted token costs one read of the drafter's weights plus one host round-trip.
-    draft_ms = spec.draft_len * (spec.drafter_bytes / bytes_per_ms + constants.sync_ms_per_layer)
+    draft_ms = spec.draft_len * draft_token_ms(model, mac, spec, constants)
     # With speculation the loader can also work while the drafter runs.
     verify = forward_time(model, mac, hits, constants, n_tokens=spec.draft_len + 1,
                           context_tokens=context_tokens, unique_expert_scale=spec.unique_expert_scale,

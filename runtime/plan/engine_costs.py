@@ -1,0 +1,139 @@
+"""Engine costs: how an engine's code turns one forward into host syncs, command buffers and repairs.
+
+Cost model v2 prices the fixed (non-byte) part of a forward from what the engine's code does, not
+from one fitted per-layer number:
+
+    sync     = (syncs per forward + syncs per MoE layer x MoE layers) x sync_us
+    buffers  = command buffers per MoE layer x MoE layers x command_buffer_us
+    layers   = MoE layers x layer_us                      (the one fitted constant: kernel dispatch and
+                                                           small-kernel time the byte roofline misses)
+    repairs  = repairs per forward x (sync_us + repair_fraction x the forward's compute)
+
+Prices, with sources (shared/reference/peers-and-limits-2026.md):
+- a CPU<->GPU crossing costs ~180 us with MLX's default fence and ~4 us with MLX_METAL_FAST_SYNCH=1
+  (mlx issue 4438); `specmoe doctor` measures both on the machine at hand;
+- a command-buffer boundary costs ~20 us of GPU time (mlx issue 4521).
+
+Invariants: every price is >= 0; every term that is an assumption rather than a count from the
+code or a measurement is named in `EngineProfile.assumed`, and the plan prints those names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+__all__ = [
+    "MLX_DEFAULT_FENCE_US", "MLX_FAST_SYNCH_US", "COMMAND_BUFFER_US", "DEFAULT_LAYER_US",
+    "EngineProfile", "EngineOverhead", "specmoe_engine", "engine_overhead", "expected_repairs",
+]
+
+MLX_DEFAULT_FENCE_US = 180.0  # mlx issue 4438: one CPU<->GPU crossing with the default fence
+MLX_FAST_SYNCH_US = 4.0  # mlx issue 4438: the same crossing with MLX_METAL_FAST_SYNCH=1
+COMMAND_BUFFER_US = 20.0  # mlx issue 4521: GPU time per command-buffer boundary
+# Fitted by bench/validate_planner.py (leave-one-out over every published row); re-run the bench and
+# paste its "fitted on all rows" value here when the rows or the model change.
+DEFAULT_LAYER_US = 739.5
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str  # e.g. "specmoe (one sync per forward + repairs)"
+    syncs_per_forward: float = 1.0  # host syncs of one forward whatever its depth (token read-back)
+    syncs_per_layer: float = 0.0  # more host syncs per MoE layer per forward (per-layer routing read-back)
+    command_buffers_per_layer: float = 2.0  # command-buffer boundaries per MoE layer per forward
+    repairs_per_token: float | None = None  # measured repairs per forward; None: expected_repairs()
+    repair_fraction: float = 0.5  # share of a forward's compute one repair re-runs
+    sync_us: float = MLX_DEFAULT_FENCE_US  # price of one host sync
+    command_buffer_us: float = COMMAND_BUFFER_US  # price of one command-buffer boundary
+    layer_us: float = DEFAULT_LAYER_US  # fixed GPU time per MoE layer per forward (fitted)
+    assumed: tuple[str, ...] = field(default=(), compare=False)  # terms that are assumptions, for the plan
+
+    def __post_init__(self) -> None:
+        for name in ("syncs_per_forward", "syncs_per_layer", "command_buffers_per_layer", "sync_us",
+                     "command_buffer_us", "layer_us"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"EngineProfile.{name} must be >= 0, got {value!r}")
+        if self.repairs_per_token is not None and not self.repairs_per_token >= 0:
+            raise ValueError(f"--repairs-per-token must be >= 0, got {self.repairs_per_token!r}")
+        if not 0 <= self.repair_fraction <= 1:
+            raise ValueError(f"repair_fraction must be in [0, 1], got {self.repair_fraction!r}")
+
+    def with_measured(self, *, sync_us: float | None = None, syncs_per_token: float | None = None,
+                      repairs_per_token: float | None = None) -> "EngineProfile":
+        """This profile with measured values replacing assumed ones (None keeps the current value)."""
+        assumed = list(self.assumed)
+        changes: dict = {}
+        if sync_us is not None:
+            changes["sync_us"] = sync_us
+            assumed = [a for a in assumed if not a.startswith("sync price")]
+        if syncs_per_token is not None:
+            # Measured syncs include the repairs' syncs; the rest are the forward's own.
+            repairs = repairs_per_token if repairs_per_token is not None else (self.repairs_per_token or 0.0)
+            changes["syncs_per_forward"] = max(0.0, syncs_per_token - repairs)
+            changes["syncs_per_layer"] = 0.0
+            assumed = [a for a in assumed if not a.startswith("syncs per forward")]
+        if repairs_per_token is not None:
+            changes["repairs_per_token"] = repairs_per_token
+            assumed = [a for a in assumed if not a.startswith("repairs")]
+        return replace(self, assumed=tuple(assumed), **changes)
+
+
+def specmoe_engine(*, fast_synch: bool = False, repairs_per_token: float | None = None,
+                   layer_us: float = DEFAULT_LAYER_US) -> EngineProfile:
+    """This project's engine after the hot-path work (issue 14): one host sync per forward plus one
+    per repair; the expert lookup runs on the device, so no per-layer routing read-back."""
+    assumed = [
+        f"sync price {'fast-synch' if fast_synch else 'default fence'} from mlx issue 4438, not measured here "
+        "(run `specmoe doctor` on the Mac and pass --from-doctor)",
+        "command buffers: 2 per MoE layer (MLX's op/MB limits per buffer; not counted on a Mac)",
+        f"layer time {layer_us:.0f} us per MoE layer: fitted to other engines' published runs",
+        "repair re-runs half a forward (first missing layer uniform over depth)",
+    ]
+    if repairs_per_token is None:
+        assumed.append("repairs per forward: one per forward with any absent expert (not measured)")
+    return EngineProfile(
+        name="specmoe (one sync per forward + repairs)", syncs_per_forward=1.0, syncs_per_layer=0.0,
+        command_buffers_per_layer=2.0, repairs_per_token=repairs_per_token, repair_fraction=0.5,
+        sync_us=MLX_FAST_SYNCH_US if fast_synch else MLX_DEFAULT_FENCE_US, layer_us=layer_us,
+        assumed=tuple(assumed),
+    )
+
+
+def expected_repairs(miss_share: float, expert_reads: float) -> float:
+    """Repairs of one forward when none was measured: the chance it meets at least one absent expert.
+
+    `miss_share` is the share of expert reads not already in the cache, `expert_reads` the distinct
+    (layer, expert) reads of the forward. One repair reads every flagged expert at once, so a forward
+    with any miss is counted as one repair (a lower bound when a repair's new routing misses again).
+    """
+    if not 0 <= miss_share <= 1 or expert_reads < 0:
+        raise ValueError(f"miss share must be in [0, 1] and reads >= 0, got {miss_share!r}, {expert_reads!r}")
+    return 1.0 - (1.0 - miss_share) ** expert_reads
+
+
+@dataclass(frozen=True)
+class EngineOverhead:
+    sync_ms: float  # host syncs of the forward itself
+    command_buffer_ms: float  # command-buffer boundaries
+    layer_ms: float  # fixed GPU time per MoE layer
+    repairs: float  # repairs of this forward
+    repair_ms: float  # their syncs and re-run compute
+
+    @property
+    def total_ms(self) -> float:
+        return self.sync_ms + self.command_buffer_ms + self.layer_ms + self.repair_ms
+
+
+def engine_overhead(engine: EngineProfile, n_moe_layers: int, compute_ms: float, miss_share: float,
+                    expert_reads: float) -> EngineOverhead:
+    """Fixed costs of one forward over `n_moe_layers` whose byte/FLOP roofline is `compute_ms`."""
+    sync_ms = (engine.syncs_per_forward + engine.syncs_per_layer * n_moe_layers) * engine.sync_us / 1000
+    buffers_ms = engine.command_buffers_per_layer * n_moe_layers * engine.command_buffer_us / 1000
+    layer_ms = n_moe_layers * engine.layer_us / 1000
+    repairs = engine.repairs_per_token
+    if repairs is None:
+        repairs = expected_repairs(miss_share, expert_reads) if engine.syncs_per_layer == 0 else 0.0
+    rerun_ms = engine.repair_fraction * (compute_ms + buffers_ms + layer_ms)
+    repair_ms = repairs * (engine.sync_us / 1000 + rerun_ms)
+    return EngineOverhead(sync_ms, buffers_ms, layer_ms, repairs, repair_ms)
