@@ -134,6 +134,16 @@ def fit_sync_ms(rows) -> float:
     return (low + high) / 2
 
 
+def sync_style(row: Row) -> str:
+    """"per-layer" for engines that sync every MoE layer, "per-forward" for one-graph engines."""
+    return "per-layer" if ENGINES[row.engine].syncs_per_layer else "per-forward"
+
+
+def fit_by_style(rows) -> dict[str, float]:
+    """Model C: one layer_us per sync style (two constants, each fitted on its own rows)."""
+    return {style: fit([r for r in rows if sync_style(r) == style], "A")[0] for style in ("per-layer", "per-forward")}
+
+
 def fit_layer_us(rows) -> float:
     """Model A's one constant on `rows` (kept for the planner default and tests)."""
     return fit(rows, "A")[0]
@@ -162,8 +172,9 @@ def validate() -> dict:
             "v1_error_pct": round(_error(v1_tok_s, row.published_tok_s), 1),
             "source": row.source, "differences": row.differences, "note": row.note,
         }
-        for name in ("A", "B"):
-            layer_us, wait_us = fit(others, name)
+        fits_c = fit_by_style(others)
+        for name in ("A", "B", "C"):
+            layer_us, wait_us = fit(others, name) if name != "C" else (fits_c[sync_style(row)], None)
             tok_s = project_row(row, v2_constants(row, layer_us, wait_us))[0]
             result[f"loo_{name}"] = {"layer_us": round(layer_us, 1),
                                      "wait_us": round(wait_us if wait_us is not None else MLX_DEFAULT_FENCE_US, 1),
@@ -176,6 +187,7 @@ def validate() -> dict:
     return {"bench": "validate_planner", "cost_model": "v2", "context_tokens": CONTEXT_TOKENS,
             "fit_A_all_rows": {"layer_us": round(fits["A"][0], 1), "wait_us": MLX_DEFAULT_FENCE_US},
             "fit_B_all_rows": {"layer_us": round(fits["B"][0], 1), "wait_us": round(fits["B"][1], 1)},
+            "fit_C_all_rows": {style: round(value, 1) for style, value in fit_by_style(ROWS).items()},
             "v1_sync_ms_per_layer": DEFAULT_SYNC_MS_PER_LAYER, "n_rows": len(results), "summary": summary,
             "rows": results}
 
@@ -185,6 +197,7 @@ def _medians(results: list[dict]) -> dict:
     return {"n_rows": len(results),
             "median_abs_loo_A_error_pct": round(med(abs(r["loo_A"]["error_pct"]) for r in results), 1),
             "median_abs_loo_B_error_pct": round(med(abs(r["loo_B"]["error_pct"]) for r in results), 1),
+            "median_abs_loo_C_error_pct": round(med(abs(r["loo_C"]["error_pct"]) for r in results), 1),
             "median_abs_v1_error_pct": round(med(abs(r["v1_error_pct"]) for r in results), 1)}
 
 
@@ -217,12 +230,14 @@ def render(record: dict, markdown: bool) -> str:
         "rows; every host sync 180 us, command buffers 20 us (mlx issues 4438, 4521)",
         f"v2 model B (2 fitted constants): layer_us = {fb['layer_us']:.0f} us, and a per-layer wait of engines that "
         f"sync every layer = {fb['wait_us']:.0f} us (once-per-forward syncs stay 180 us)",
+        "v2 model C (2 fitted constants): layer_us per sync style, " + ", ".join(
+            f"{style} {value:.0f} us" for style, value in record["fit_C_all_rows"].items()),
         "LOO = each row projected with constants fitted on the other rows (least absolute log error)",
         f"v1: sync_ms_per_layer = {record['v1_sync_ms_per_layer']} ms fitted on m1pro-35b-k8 only (in-sample there)",
     ]
     for group, stats in record["summary"].items():
         lines.append(f"median |error|, {group} ({stats['n_rows']} rows): A {stats['median_abs_loo_A_error_pct']}%, "
-                     f"B {stats['median_abs_loo_B_error_pct']}% (leave-one-out); v1 {stats['median_abs_v1_error_pct']}%")
+                     f"B {stats['median_abs_loo_B_error_pct']}%, C {stats['median_abs_loo_C_error_pct']}% (leave-one-out); v1 {stats['median_abs_v1_error_pct']}%")
     lines.append("all 'projected' figures are projections of the cost model, not measurements")
     return "\n".join(lines)
 

@@ -18,25 +18,40 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from runtime.cache import parse_budget
+from runtime.cli.plan_render import PROJECTION_NOTE, render_plan
 from runtime.plan import mac_profile
 from runtime.plan import load_model_config, model_costs
 from runtime.plan import (
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,
     SpecAssumptions,
-    hit_rate_prior_exponent,
     hit_rates,
     plan_memory,
     project,
     projection_json,
     required_hit_rate,
 )
+from runtime.plan.engine_costs import MLX_FAST_SYNCH_US, specmoe_engine
+from runtime.plan.planner import default_headroom_bytes
+from runtime.plan.prefill_cost import PREFILL_ASSUMPTIONS, max_context_tokens, prefill_time
 
-__all__ = ["register", "build_plan"]
-_PROJECTION_NOTE = "every speed in this plan is a PROJECTION of the planner's cost model, not a measurement"
+__all__ = ["register", "build_plan", "measured_from_doctor"]
+_PROJECTION_NOTE = PROJECTION_NOTE
+
+
+def measured_from_doctor(path: Path) -> dict[str, Any]:
+    """The planner inputs a `specmoe doctor --json` report measured: sync prices, syncs and repairs per
+    token, acceptance and forecast recall (keys missing from the report are left out)."""
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"--from-doctor {str(path)!r} is not a readable doctor JSON report: {error}") from None
+    if not isinstance(report, dict) or report.get("kind") != "specmoe-doctor":
+        raise ValueError(f"--from-doctor {str(path)!r}: expected the JSON written by `specmoe doctor --json`")
+    inputs = report.get("planner_inputs") or {}
+    return {key: value for key, value in inputs.items() if value is not None}
 
 
 def _gb(n_bytes: float) -> float:
@@ -64,16 +79,42 @@ def build_plan(
     overlap_scale: float = 1.0,
     prefetch_recall: float = 0.5,
     sync_ms_per_layer: float = DEFAULT_SYNC_MS_PER_LAYER,
+    cost_model: str = "v2",
+    fast_synch: bool = False,
+    repairs_per_token: float | None = None,
+    measured: dict[str, Any] | None = None,
+    prompt_tokens: int = 1000,
 ) -> dict[str, Any]:
-    """All planner results for one question, as JSON-ready data. Raises ValueError on bad input."""
+    """All planner results for one question, as JSON-ready data. Raises ValueError on bad input.
+
+    `cost_model` "v2" prices host syncs, command buffers, layer time and repairs from the engine's
+    counts (runtime/plan/engine_costs.py); "v1" is the single fitted per-layer constant. `measured`
+    (from `measured_from_doctor`) replaces assumed inputs with what `specmoe doctor` measured."""
+    if cost_model not in ("v1", "v2"):
+        raise ValueError(f"--cost-model must be v1 or v2, got {cost_model!r}")
+    measured = dict(measured or {})
+    assumed: list[str] = []
     name, config, config_source = load_model_config(model_ref)
     model = model_costs(config, bits=bits, group_size=group_size, top_k=top_k, name=name)
     mac = mac_profile(mac_name, ssd_capacity_gb=ssd_gb, wired_limit_mb=wired_limit_mb)
     budget = parse_budget(budget_text)
     if headroom_gb is not None and headroom_gb < 0:
         raise ValueError(f"--headroom-gb must be >= 0, got {headroom_gb!r}")
+    acceptance = float(measured.get("acceptance_rate", acceptance))
+    prefetch_recall = float(measured.get("forecast_recall", prefetch_recall))
     spec = SpecAssumptions(draft_len, acceptance, int(drafter_gb * 1e9), overlap_scale)
-    constants = CostConstants(sync_ms_per_layer=sync_ms_per_layer)
+    engine = None
+    if cost_model == "v2":
+        engine = specmoe_engine(fast_synch=fast_synch, repairs_per_token=repairs_per_token)
+        sync_key = "fast_synch_sync_us" if fast_synch else "default_sync_us"
+        engine = engine.with_measured(sync_us=measured.get(sync_key), repairs_per_token=measured.get("repairs_per_token"))
+        assumed += list(engine.assumed)
+        assumed.append("speculation: drafter depth half the target's, each layer at the target's layer time")
+    constants = CostConstants(sync_ms_per_layer=sync_ms_per_layer, engine=engine)
+    if "acceptance_rate" not in measured:
+        assumed.append(f"acceptance {acceptance:.2f} per drafted token (--acceptance; not measured for this model)")
+    if "forecast_recall" not in measured:
+        assumed.append(f"prefetch recall {prefetch_recall:.2f} (--prefetch-recall; not measured for this model)")
     if not 0 <= prefetch_recall <= 1:
         raise ValueError(f"--prefetch-recall must be in [0, 1], got {prefetch_recall!r}")
     memory = plan_memory(
@@ -113,13 +154,33 @@ def build_plan(
         "speculation": {"draft_len": spec.draft_len, "acceptance_rate": spec.acceptance_rate,
                         "drafter_gb": _gb(spec.drafter_bytes), "unique_expert_scale": spec.unique_expert_scale},
         "prefetch_recall": prefetch_recall,
+        "cost_model": cost_model,
         "sync_ms_per_layer": constants.sync_ms_per_layer,
+        "engine": None if engine is None else {
+            "name": engine.name, "sync_us": engine.sync_us, "syncs_per_forward": engine.syncs_per_forward,
+            "syncs_per_layer": engine.syncs_per_layer, "command_buffers_per_layer": engine.command_buffers_per_layer,
+            "command_buffer_us": engine.command_buffer_us, "layer_us": engine.layer_us,
+            "repairs_per_token": engine.repairs_per_token, "fast_synch": fast_synch},
+        "measured_inputs": measured,
+        "assumed": assumed,
         "target_tok_s": target_tok_s,
         "projections": [],
         "required_hit_rate": {},
     }
     if not memory.fits:
         return results
+    if engine is not None:
+        step_ms = project(model, mac, hits, constants, context_tokens=context_tokens).ms_per_token
+        prefill = prefill_time(model, mac, prompt_tokens, min(1.0, memory.cache_fraction), step_ms,
+                               layer_us=engine.layer_us, sync_us=engine.sync_us)
+        results["prefill"] = {"prompt_tokens": prompt_tokens, "ttft_s": round(prefill.ttft_ms / 1000, 2),
+                              "read_gb": _gb(prefill.read_bytes), "io_s": round(prefill.io_ms / 1000, 2),
+                              "compute_s": round(prefill.compute_ms / 1000, 2),
+                              "unique_experts_per_layer": round(prefill.unique_experts_per_layer, 1),
+                              "kind": "projection"}
+        results["max_context_tokens"] = max_context_tokens(
+            model, mac, headroom_bytes=memory.headroom_bytes, drafter_bytes=memory.drafter_bytes)
+        assumed += list(PREFILL_ASSUMPTIONS)
     variants = (("baseline", None, 0.0), ("prefetch", None, prefetch_recall),
                 ("speculative", spec, 0.0), ("speculative + prefetch", spec, prefetch_recall))
     for label, variant_spec, recall in variants:
@@ -131,73 +192,6 @@ def build_plan(
                                    spec=variant_spec, prefetch_recall=recall)
         results["required_hit_rate"][label] = None if needed is None else round(needed, 4)
     return results
-
-
-def _render(results: dict[str, Any], console: Console) -> None:
-    model, mac, memory = results["model"], results["mac"], results["memory"]
-    console.print(f"[bold]{model['name']}[/] ({model['bits']}-bit, group {model['group_size']}) on "
-                  f"[bold]{mac['label']}[/]")
-    table = Table(title="Model", show_header=False)
-    for key, value in (
-        ("routed experts", f"{model['n_experts']} x {model['n_moe_layers']} MoE layers, top-{model['top_k']}"),
-        ("bytes per expert", f"{model['expert_mb']:.3f} MB"),
-        ("all experts", f"{model['experts_gb']:.2f} GB"),
-        ("resident (non-expert)", f"{model['resident_gb']:.2f} GB"),
-        ("KV per context token", f"{model['kv_kb_per_token']:.1f} KB"),
-        ("expert reads per token", f"{model['experts_read_per_token']} "
-                                   f"({model['expert_mb_per_token_all_miss']:.0f} MB if all miss)"),
-    ):
-        table.add_row(key, value)
-    console.print(table)
-    table = Table(title=f"Memory (GPU working set {memory['working_set_gb']:.2f} GB)")
-    table.add_column("item")
-    table.add_column("GB", justify="right")
-    for key, label in (("resident_gb", "resident weights"),
-                       ("kv_gb", f"KV + state at {memory['context_tokens']} tokens"),
-                       ("drafter_gb", "drafter"), ("headroom_gb", "headroom"),
-                       ("cache_gb", f"expert cache ({100 * memory['cache_fraction']:.0f}% of experts)"),
-                       ("free_gb", "free in working set"), ("page_cache_gb", "OS page-cache tier")):
-        if key == "free_gb":
-            table.add_row("total used", f"{memory['working_set_gb'] - memory['free_gb']:.2f}", end_section=True)
-        table.add_row(label, f"{memory[key]:.2f}")
-    console.print(table)
-    if memory["fits"]:
-        console.print("[green]fits[/]")
-    else:
-        console.print("[red]does not fit[/]: " + "; ".join(memory["advice"]))
-        return
-    hits = results["hit_rates"]
-    console.print(f"hit rate: cache {hits['cache']:.2f}, page cache {hits['page_cache']:.2f}, "
-                  f"SSD {hits['ssd']:.2f} ({hits['source']})")
-    title = f"Projected decode speed (sync {results['sync_ms_per_layer']:.2f} ms/layer); ms columns: one forward"
-    table = Table(title=title)
-    for column in ("variant", "tok/s (projected)", "ms/token", "forward", "dense ms", "experts ms", "I/O ms",
-                   "hidden ms", "sync ms"):
-        table.add_column(column, justify="right" if column != "variant" else "left")
-    for projection in results["projections"]:
-        step = projection["step"]
-        forward = "1 token" if step["n_tokens"] == 1 else f"verify {step['n_tokens']}"
-        table.add_row(projection["label"], f"{projection['tok_per_s']:.2f}", f"{projection['ms_per_token']:.1f}",
-                      forward,
-                      f"{step['dense_ms']:.1f}", f"{step['expert_compute_ms']:.1f}",
-                      f"{step['page_cache_ms'] + step['ssd_ms']:.1f}", f"{step['hidden_io_ms']:.1f}",
-                      f"{step['sync_ms']:.1f}")
-    console.print(table)
-    spec = results["projections"][2]["spec"]
-    setup = results["speculation"]
-    console.print(
-        f"speculation (projection): K={setup['draft_len']}, acceptance {setup['acceptance_rate']:.2f} -> "
-        f"{spec['tokens_per_round']:.2f} tokens/round; draft/target {spec['draft_ratio']:.2f}, "
-        f"T(K+1)/T(1) {spec['verify_ratio']:.2f} with {spec['unique_experts_per_layer']:.1f} unique experts/layer, "
-        f"rollback {spec['rollback_ms']:.1f} ms; speedup {spec['speedup']:.2f}x")
-    table = Table(title=f"Cache hit rate needed for {results['target_tok_s']:g} tok/s (projection)")
-    table.add_column("variant")
-    table.add_column("hit rate", justify="right")
-    for label, needed in results["required_hit_rate"].items():
-        table.add_row(label, "unreachable" if needed is None else f"{needed:.3f}")
-    console.print(table)
-    console.print(f"[dim]{_PROJECTION_NOTE}; hit-rate prior h = c^{hit_rate_prior_exponent():.3f}; "
-                  f"prefetch assumes recall {results['prefetch_recall']:.2f} and no memory contention[/]")
 
 
 def _write_json(path: Path, results: dict[str, Any]) -> None:
@@ -239,8 +233,17 @@ def plan_command(
     overlap_scale: Annotated[float, _opt("--overlap-scale", "Measured/uniform unique experts.")] = 1.0,
     prefetch_recall: Annotated[float, _opt("--prefetch-recall", "Share of misses prefetched.")] = 0.5,
     sync_ms_per_layer: Annotated[
-        float, _opt("--sync-ms-per-layer", "Per-layer overhead (default: fitted).")
+        float, _opt("--sync-ms-per-layer", "v1 only: per-layer overhead (default: fitted).")
     ] = DEFAULT_SYNC_MS_PER_LAYER,
+    cost_model: Annotated[str, _opt("--cost-model", "v2 (syncs, buffers, repairs from the code) or v1.")] = "v2",
+    fast_synch: Annotated[bool, _opt("--fast-synch/--no-fast-synch", "Price syncs with MLX_METAL_FAST_SYNCH.")] = False,
+    repairs_per_token: Annotated[
+        Optional[float], _opt("--repairs-per-token", "Measured repairs per forward (default: expected).")
+    ] = None,
+    from_doctor: Annotated[
+        Optional[Path], _opt("--from-doctor", "Use what `specmoe doctor --json` measured on the Mac.")
+    ] = None,
+    prompt_tokens: Annotated[int, _opt("--prompt-tokens", "Prompt length for the time to first token.")] = 1000,
     json_path: Annotated[Optional[Path], _opt("--json", "Also write the results as JSON to PATH.")] = None,
 ) -> None:
     """Will MODEL fit on MAC, and how fast would it decode? (memory breakdown + projected tok/s)"""
@@ -250,7 +253,9 @@ def plan_command(
             context_tokens=context, ssd_gb=ssd_gb, wired_limit_mb=wired_limit_mb, headroom_gb=headroom_gb,
             hit_rate=hit_rate, page_cache=page_cache, target_tok_s=target_tok_s, draft_len=draft_len,
             acceptance=acceptance, drafter_gb=drafter_gb, overlap_scale=overlap_scale,
-            prefetch_recall=prefetch_recall, sync_ms_per_layer=sync_ms_per_layer,
+            prefetch_recall=prefetch_recall, sync_ms_per_layer=sync_ms_per_layer, cost_model=cost_model,
+            fast_synch=fast_synch, repairs_per_token=repairs_per_token, prompt_tokens=prompt_tokens,
+            measured=measured_from_doctor(from_doctor) if from_doctor is not None else None,
         )
         if json_path is not None:
             _write_json(json_path, results)
@@ -259,7 +264,7 @@ def plan_command(
         # SystemExit, not typer.Exit: click in standalone_mode=False *returns* an Exit's code,
         # which a caller may drop; SystemExit reaches every caller as exit code 2.
         raise SystemExit(2) from None
-    _render(results, Console())
+    render_plan(results, Console())
 
 
 def register(app: typer.Typer) -> None:

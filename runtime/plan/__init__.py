@@ -7,9 +7,17 @@ Invariants kept at this boundary: every figure the planner prints is a projectio
 so; every constant it uses names its source.
 """
 
+from runtime.plan.engine_costs import (
+    DEFAULT_LAYER_US,
+    MLX_DEFAULT_FENCE_US,
+    MLX_FAST_SYNCH_US,
+    EngineProfile,
+    specmoe_engine,
+)
 from runtime.plan.mac_profiles import MacProfile, mac_profile, measured_profile
 from runtime.plan.model_costs import ModelCosts, model_costs
 from runtime.plan.model_presets import load_model_config
+from runtime.plan.prefill_cost import PrefillTime, max_context_tokens, prefill_time
 from runtime.plan.planner import (
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,
@@ -28,5 +36,6 @@ from runtime.plan.planner import (
 __all__ = [
     "MacProfile", "mac_profile", "measured_profile", "ModelCosts", "load_model_config", "model_costs",
     "DEFAULT_SYNC_MS_PER_LAYER", "CostConstants", "ForwardTime", "HitRates", "SpecAssumptions", "forward_time",
-    "hit_rate_prior_exponent", "hit_rates", "plan_memory", "project", "projection_json", "required_hit_rate",
+    "DEFAULT_LAYER_US", "MLX_DEFAULT_FENCE_US", "MLX_FAST_SYNCH_US", "EngineProfile", "specmoe_engine",
+    "PrefillTime", "prefill_time", "max_context_tokens", "hit_rate_prior_exponent", "hit_rates", "plan_memory", "project", "projection_json", "required_hit_rate",
 ]

@@ -7,7 +7,9 @@ Time of one target forward over T tokens (T = 1 for plain decode, K+1 for a veri
     dense     = max(resident bytes read + KV bytes, 2 * dense params * T / FLOPS) / bandwidth
     experts   = max(U(T) * L * expert bytes / bandwidth, expert FLOPs)   U(T): unique experts per layer
     I/O       = U(T) * L * expert bytes * (page-cache share / page-cache GB/s + SSD share / SSD GB/s)
-    sync      = L * sync_ms_per_layer                                    (the one fitted constant)
+    sync      = v1: L * sync_ms_per_layer (one constant fitted to one published run)
+                v2: host syncs, command buffers, layer time and repairs counted from the engine's code
+                    and priced at MLX's measured sync costs (engine_costs.py; CostConstants.engine)
 Prefetch hides up to recall * I/O behind the compute and sync time of the same pass (an upper bound:
 it ignores the memory-controller contention [FM] reports). Speculation follows MoESD's
 decomposition: a round costs K drafter steps + one verify forward (+ a rollback re-run for models

@@ -1,0 +1,104 @@
+"""Rendering a `specmoe plan` result dict as rich tables (runtime/cli/plan.py builds the dict).
+
+Invariant: everything printed comes from the dict, so the tables and `--json` cannot disagree; every
+speed is labelled a projection and every assumed term is printed as "assumed: ...".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from runtime.plan import hit_rate_prior_exponent
+
+__all__ = ["render_plan", "PROJECTION_NOTE"]
+PROJECTION_NOTE = "every speed in this plan is a PROJECTION of the planner's cost model, not a measurement"
+
+
+def render_plan(results: dict[str, Any], console: Console) -> None:
+    """Print a plan dict (from build_plan) as rich tables."""
+    model, mac, memory = results["model"], results["mac"], results["memory"]
+    console.print(f"[bold]{model['name']}[/] ({model['bits']}-bit, group {model['group_size']}) on "
+                  f"[bold]{mac['label']}[/]")
+    table = Table(title="Model", show_header=False)
+    for key, value in (
+        ("routed experts", f"{model['n_experts']} x {model['n_moe_layers']} MoE layers, top-{model['top_k']}"),
+        ("bytes per expert", f"{model['expert_mb']:.3f} MB"),
+        ("all experts", f"{model['experts_gb']:.2f} GB"),
+        ("resident (non-expert)", f"{model['resident_gb']:.2f} GB"),
+        ("KV per context token", f"{model['kv_kb_per_token']:.1f} KB"),
+        ("expert reads per token", f"{model['experts_read_per_token']} "
+                                   f"({model['expert_mb_per_token_all_miss']:.0f} MB if all miss)"),
+    ):
+        table.add_row(key, value)
+    console.print(table)
+    table = Table(title=f"Memory (GPU working set {memory['working_set_gb']:.2f} GB)")
+    table.add_column("item")
+    table.add_column("GB", justify="right")
+    for key, label in (("resident_gb", "resident weights"),
+                       ("kv_gb", f"KV + state at {memory['context_tokens']} tokens"),
+                       ("drafter_gb", "drafter"), ("headroom_gb", "headroom"),
+                       ("cache_gb", f"expert cache ({100 * memory['cache_fraction']:.0f}% of experts)"),
+                       ("free_gb", "free in working set"), ("page_cache_gb", "OS page-cache tier")):
+        if key == "free_gb":
+            table.add_row("total used", f"{memory['working_set_gb'] - memory['free_gb']:.2f}", end_section=True)
+        table.add_row(label, f"{memory[key]:.2f}")
+    console.print(table)
+    if memory["fits"]:
+        console.print("[green]fits[/]")
+    else:
+        console.print("[red]does not fit[/]: " + "; ".join(memory["advice"]))
+        return
+    hits = results["hit_rates"]
+    console.print(f"hit rate: cache {hits['cache']:.2f}, page cache {hits['page_cache']:.2f}, "
+                  f"SSD {hits['ssd']:.2f} ({hits['source']})")
+    v2 = results["cost_model"] == "v2"
+    if v2:
+        engine = results["engine"]
+        title = (f"Projected decode speed (cost model v2: {engine['sync_us']:.0f} us per host sync, "
+                 f"{engine['layer_us']:.0f} us per MoE layer); ms columns: one forward")
+    else:
+        title = f"Projected decode speed (v1: sync {results['sync_ms_per_layer']:.2f} ms/layer); ms columns: one forward"
+    table = Table(title=title)
+    columns = ["variant", "tok/s (projected)", "ms/token", "forward", "dense ms", "experts ms", "I/O ms",
+               "hidden ms", "fixed ms" if v2 else "sync ms"]
+    if v2:
+        columns += ["repair ms", "syncs"]
+    for column in columns:
+        table.add_column(column, justify="right" if column != "variant" else "left")
+    for projection in results["projections"]:
+        step = projection["step"]
+        forward = "1 token" if step["n_tokens"] == 1 else f"verify {step['n_tokens']}"
+        cells = [projection["label"], f"{projection['tok_per_s']:.2f}", f"{projection['ms_per_token']:.1f}",
+                 forward, f"{step['dense_ms']:.1f}", f"{step['expert_compute_ms']:.1f}",
+                 f"{step['page_cache_ms'] + step['ssd_ms']:.1f}", f"{step['hidden_io_ms']:.1f}",
+                 f"{step['sync_ms']:.1f}"]
+        if v2:
+            cells += [f"{step['repair_ms']:.1f}", f"{step['host_syncs']:.2f}"]
+        table.add_row(*cells)
+    console.print(table)
+    prefill = results.get("prefill")
+    if prefill:
+        console.print(f"time to first token (projection, expert-major prefill): {prefill['ttft_s']:.1f} s for "
+                      f"{prefill['prompt_tokens']} prompt tokens ({prefill['read_gb']:.2f} GB read once, "
+                      f"{prefill['unique_experts_per_layer']:.0f} experts/layer); longest context that fits: "
+                      f"{results['max_context_tokens']:,} tokens")
+    spec = results["projections"][2]["spec"]
+    setup = results["speculation"]
+    console.print(
+        f"speculation (projection): K={setup['draft_len']}, acceptance {setup['acceptance_rate']:.2f} -> "
+        f"{spec['tokens_per_round']:.2f} tokens/round; draft/target {spec['draft_ratio']:.2f}, "
+        f"T(K+1)/T(1) {spec['verify_ratio']:.2f} with {spec['unique_experts_per_layer']:.1f} unique experts/layer, "
+        f"rollback {spec['rollback_ms']:.1f} ms; speedup {spec['speedup']:.2f}x")
+    table = Table(title=f"Cache hit rate needed for {results['target_tok_s']:g} tok/s (projection)")
+    table.add_column("variant")
+    table.add_column("hit rate", justify="right")
+    for label, needed in results["required_hit_rate"].items():
+        table.add_row(label, "unreachable" if needed is None else f"{needed:.3f}")
+    console.print(table)
+    for line in results.get("assumed", []):
+        console.print(f"[dim]assumed: {line}[/]")
+    console.print(f"[dim]{PROJECTION_NOTE}; hit-rate prior h = c^{hit_rate_prior_exponent():.3f}; "
+                  f"prefetch assumes recall {results['prefetch_recall']:.2f} and no memory contention[/]")
