@@ -35,9 +35,7 @@ import mlx.core as mx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.decode import generate_tokens  # noqa: E402
-from runtime.decode import OffloadConfig, OffloadedModel  # noqa: E402
-from runtime.decode import run_speculative  # noqa: E402
+from runtime import load, stream_generate  # noqa: E402
 from runtime.checkpoints import make_tiny  # noqa: E402
 from storage.packer import convert  # noqa: E402
 
@@ -79,12 +77,10 @@ def main() -> None:
         raw = make_tiny(root / "target", "qwen3_moe", seed=1, layers=4, n_experts=64, top_k=4)
         packed = convert(raw, root / "packed")
         drafter_dir = make_tiny(root / "drafter", "qwen3", seed=9, layers=4)
-        cfg = OffloadConfig(budget=args.budget, verify_checksums=True, threads=4, telemetry=args.telemetry,
-                            inject=args.inject)
-        om = OffloadedModel.load(packed, cfg)
-        from runtime.decode import load_drafter
-
-        draft_model, draft_config = load_drafter(drafter_dir, om)
+        engine = load(packed, args.budget, drafter_dir, num_draft=args.num_draft, predictor=args.predictor,
+                      cutoff=None, policy="lru", verify=True, threads=4, telemetry=args.telemetry, inject=args.inject)
+        plain_engine = load(packed, args.budget, policy="lru", telemetry=False)  # the losslessness reference
+        om = engine.model
         slots = sorted(set(om.plan.slots.values()))
         print(f"target: qwen3_moe tiny, {len(om.moe_layers)} MoE layers x 64 experts, top-{om.top_k}; "
               f"budget {args.budget} = {slots} slots/layer; drafter qwen3 tiny; predictor {args.predictor}, "
@@ -97,11 +93,10 @@ def main() -> None:
                 prompt = PROMPTS[session % len(PROMPTS)]
                 ids = om.tokenizer.encode(prompt)
                 n = min(args.session_tokens, args.tokens - done)
-                tokens, stats, _ = run_speculative(om, None, ids, max_tokens=n, num_draft=args.num_draft,
-                                                   predictor=args.predictor, cutoff=None, draft_model=draft_model,
-                                                   draft_config=draft_config)
+                responses = list(stream_generate(engine, ids, n))
+                tokens, stats = [r.token for r in responses], responses[-1].detail
                 if session == 0:  # losslessness, once: the same prompt by plain greedy decoding
-                    plain, _ = generate_tokens(om.model, ids, max_tokens=n, om=om)
+                    plain = [r.token for r in stream_generate(plain_engine, ids, n)]
                     checked = plain == tokens
                 done += len(tokens)
                 session += 1
@@ -120,8 +115,9 @@ def main() -> None:
             error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         elapsed = time.perf_counter() - t0
-        alive = all(t.is_alive() for t in om.loader._threads)
-        om.close()
+        alive = om.loader.threads_alive()
+        engine.close()
+        plain_engine.close()
     print()
     print("| tokens | elapsed s | tok/s | RSS MB | MLX active MB | MLX cache MB | misses (cum.) | hit rate | prefetch used | retries | failed loads |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -94,11 +94,11 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          predictor: str | None = None, cutoff: int | None = None, policy: str | None = None, threads: int = 4,
          io_mode: str = "buffered", verify: bool = True, memory_governor: bool = True,
          projection: str | Path | None = None, forecast_k: int | None = None,
-         max_prefetch_bytes: int | None = None, inject: str = "") -> Engine:
+         max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "") -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
-    `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
+    `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     notes = []
     settings = None
     if draft is not None:
@@ -113,7 +113,7 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or "lru", threads=threads,
                                                   io_mode=io_mode, verify_checksums=verify,
                                                   governor=GovernorConfig() if memory_governor else None,
-                                                  inject=inject))
+                                                  telemetry=telemetry, inject=inject))
     engine = Engine(om, settings, notes, policy or "lru")
     if settings is not None:
         try:

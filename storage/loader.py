@@ -184,6 +184,10 @@ class AsyncLoader:
         with self._cv:
             return self._active
 
+    def threads_alive(self) -> bool:
+        """True while every I/O thread is running (a soak checks that none died)."""
+        return all(t.is_alive() for t in self._threads)
+
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every submitted ticket has finished, callbacks included."""
         with self._cv:
