@@ -20,7 +20,8 @@ from runtime.cache.budget import (
     plan_budget,
 )
 from runtime.cache.cached_switch import CachedSwitchGLU
-from runtime.cache.expert_cache import CallStats, ExpertCache
+from runtime.cache.cache_stats import CallStats
+from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.governor import GovernorConfig, MemoryGovernor
 from runtime.cache.policy import make_policy
 from runtime.cache.slot_table import SlotTable

@@ -13,8 +13,13 @@ Invariants:
 - ensure() returns only after every requested expert is valid, or raises (and
   then leaves nothing pinned and no failed slot valid).
 - All bookkeeping is serialised by one lock; loads complete on I/O threads.
-- Each loading slot is filled by exactly one ticket (the one recorded when the
-  slot was reserved); a caller needing it waits on that ticket, never a second read.
+- Each loading slot is filled by one ticket at a time (the one in _tickets); a
+  caller needing it waits on that ticket, never a second concurrent read.
+- A failed or cancelled prefetch frees its slot only if no demand call pins it;
+  else the slot stays loading and is re-read at demand priority for that call.
+  A read that could not be queued (submit raised) leaves its slot free.
+- Safety checks raise (never `assert`): a non-resident expert never becomes
+  slot -1 in a gather index, under `python -O` too.
 - Resizing (the memory governor): only slots [0, usable) are ever filled;
   request_usable_slots() takes effect at the layer's next usable_slots() call,
   which CachedSwitchGLU makes once per call after releasing the layer's slots, so
@@ -25,94 +30,18 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
-import mmap
-import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from runtime.cache.cache_stats import CallStats, ResizeStats
+from runtime.cache.slab import allocate_slab, release_pages
 from runtime.cache.slot_table import FREE, LOADING, VALID, SlotTable
 from storage import AsyncLoader, ExpertKey, LayerLayout
 from storage.loader import DEMAND, PREFETCH, LoadTicket
 
-_MX_DTYPE = {
-    "U8": mx.uint8, "U16": mx.uint16, "U32": mx.uint32, "I8": mx.int8, "I16": mx.int16,
-    "I32": mx.int32, "F16": mx.float16, "F32": mx.float32,
-}
-
-
-@dataclass(frozen=True)
-class CallStats:
-    hits: int  # unique experts already valid or loading
-    misses: int  # unique experts read on demand
-    prefetch_used: int  # hits on experts a prefetch brought in (or was bringing in)
-    bytes_read: int  # bytes of the demand reads
-    stall_ms: float  # time blocked waiting for reads (demand misses and in-flight prefetches)
-
-
-@dataclass
-class ResizeStats:
-    n_shrinks: int = 0  # per-layer resizes that lowered the usable slots
-    n_grows: int = 0  # per-layer resizes that raised them
-    n_evicted: int = 0  # experts evicted because their slot left the usable range
-    bytes_released: int = 0  # slab bytes handed back to the OS (0 where unsupported)
-
-
-_PAGE = mmap.PAGESIZE
-
-
-def release_pages(address: int, nbytes: int) -> int:
-    """Give the whole pages inside [address, address + nbytes) back to the OS; returns bytes.
-
-    Linux only: madvise(MADV_DONTNEED) drops private anonymous pages (the slabs'
-    malloc'd memory) and maps zero pages on the next touch. On macOS MLX slabs are
-    Metal shared buffers, for which madvise does not reliably return memory, so we
-    do nothing there and report 0.
-    """
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + nbytes) // _PAGE * _PAGE
-    if end <= start or not sys.platform.startswith("linux"):
-        return 0
-    import ctypes
-
-    if _libc() is None or _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                          ctypes.c_int(mmap.MADV_DONTNEED)) != 0:
-        return 0
-    return end - start
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def allocate_slab(n_slots: int, shape: tuple[int, ...], dtype: str) -> tuple[mx.array, np.ndarray]:
-    """An evaluated MLX array [n_slots, *shape] and a writable uint8 view [n_slots, nbytes] of it."""
-    full = (n_slots, *shape)
-    if dtype == "BF16":
-        # numpy has no bfloat16: allocate 16-bit storage and view it as bf16 in MLX.
-        base = mx.zeros(full, mx.uint16)
-        mx.eval(base)
-        slab = base.view(mx.bfloat16)
-        mx.eval(slab)
-        host = np.asarray(base)
-    elif dtype in _MX_DTYPE:
-        slab = mx.zeros(full, _MX_DTYPE[dtype])
-        mx.eval(slab)
-        host = np.asarray(slab)
-    else:
-        raise ValueError(f"cannot allocate a slab of dtype {dtype}; expected one of {sorted(_MX_DTYPE) + ['BF16']}")
-    assert host.flags.writeable and host.flags.c_contiguous, "slab view must be writable and contiguous"
-    return slab, host.reshape(n_slots, -1).view(np.uint8)
 
 
 class ExpertCache:
@@ -128,6 +57,7 @@ class ExpertCache:
         self._lock = threading.RLock()
         self._protected: dict[ExpertKey, int] = {}  # forecast experts pinned until their layer is verified
         self._tickets: dict[ExpertKey, LoadTicket] = {}  # the read filling each loading slot
+        self._prefetch_tickets: dict[ExpertKey, LoadTicket] = {}  # those of them that prefetch() queued
         self._pending_usable: dict[int, int] = {}  # resizes asked for, applied at the layer's next call
         self._released = {l: np.zeros(n, bool) for l, n in slots.items()}  # slot pages given back to the OS
         self.slabs: dict[int, dict[str, mx.array]] = {}
@@ -239,14 +169,47 @@ class ExpertCache:
         with self._lock:
             if self._tickets.get(ticket.key) is ticket:
                 del self._tickets[ticket.key]
+            was_prefetch = self._prefetch_tickets.get(ticket.key) is ticket
+            if was_prefetch:
+                del self._prefetch_tickets[ticket.key]
             if ticket.error is None and not ticket.cancelled:
                 self.table.commit(ticket.key)
+            elif was_prefetch and self._reread_for_demand(ticket.key):
+                pass  # a demand call pins the slot: it stays loading, read again for that call
             else:
                 self.table.abort(ticket.key, cancelled=ticket.cancelled)
                 slot = self._protected.pop(ticket.key, None)
                 if slot is not None:
                     self.table.unpin(ticket.key.layer, [slot])
             self._settle_beyond(ticket.key.layer)
+
+    def _reread_for_demand(self, key: ExpertKey) -> bool:
+        """After a failed/cancelled prefetch of `key` (lock held): if a demand call pins its
+        slot (beyond the prefetch's protection), queue a demand read into it; True if so."""
+        ls = self.table.layers[key.layer]
+        slot = int(ls.expert_to_slot[key.expert])
+        own = 1 if self._protected.get(key) == slot else 0
+        if slot < 0 or ls.state[slot] != LOADING or ls.pins[slot] <= own:
+            return False
+        try:
+            self._submit(key, slot, priority=DEMAND)
+        except Exception:
+            return False  # the loader is closed: free the slot; the waiting call reports the failure
+        return True
+
+    def _wait_reads(self, tickets: list[LoadTicket]) -> None:
+        """Wait for `tickets`, following a failed prefetch to its demand re-read; raises."""
+        while True:
+            try:
+                self.loader.wait_all(tickets)
+                return
+            except Exception:
+                with self._lock:
+                    following = [self._tickets.get(t.key) if (t.error is not None or t.cancelled) else None
+                                 for t in tickets]
+                if not any(n is not None and n is not t for n, t in zip(following, tickets)):
+                    raise
+                tickets = [n if n is not None else t for n, t in zip(following, tickets)]
 
     def _await_room(self, layer: int, experts) -> None:
         """Wait until `layer` can take the absent `experts`: unprotected prefetches still in
@@ -294,9 +257,14 @@ class ExpertCache:
                     slot = self.table.reserve(key, prefetch=True)
                     if slot is None:
                         continue  # every slot of the layer is in use: skip, demand will load it
+                    try:
+                        ticket = self._submit(key, slot, priority=PREFETCH + key.layer, round_id=round_id)
+                    except BaseException:
+                        self.table.abort(key)  # never leave a slot loading with no read to fill it
+                        raise
+                    self._prefetch_tickets[key] = ticket
                     self.table.pin(key.layer, [slot])
                     self._protected[key] = slot
-                    self._submit(key, slot, priority=PREFETCH + key.layer, round_id=round_id)
                     queued += nbytes
                 else:
                     self.table.pin(key.layer, [slot])
@@ -315,7 +283,7 @@ class ExpertCache:
 
         The caller must unpin(layer, slots) once every graph reading them is evaluated.
         """
-        tickets, pinned = [], []
+        tickets, pinned, absent = [], [], []
         self._await_room(layer, experts)
         try:
             with self._lock:
@@ -336,15 +304,21 @@ class ExpertCache:
                 for e in absent:
                     tickets.append(self._submit(ExpertKey(layer, e), int(ls.expert_to_slot[e]), priority=DEMAND))
             t0 = time.perf_counter()
-            self.loader.wait_all(tickets)
+            self._wait_reads(tickets)
             stall_ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0
             with self._lock:
                 slots = ls.expert_to_slot[np.asarray(experts, np.int64)].copy()
-                assert (slots >= 0).all() and (ls.state[slots] == VALID).all(), "ensure() returned an invalid slot"
+                if (slots < 0).any() or (ls.state[slots] != VALID).any():
+                    raise RuntimeError(f"layer {layer}: ensure() ended with experts "
+                                       f"{np.asarray(experts)[(slots < 0) | (ls.state[slots] != VALID)].tolist()} not valid")
             stats = CallStats(len(present), len(absent), prefetch_used, len(absent) * self.layouts[layer].expert_bytes, stall_ms)
             return slots, stats
         except BaseException:
             with self._lock:
+                for e in absent if pinned else ():
+                    key = ExpertKey(layer, e)
+                    if key not in self._tickets and self.table.state_of(key) == LOADING:
+                        self.table.abort(key)  # reserved, but its read was never queued
                 if pinned:
                     self.table.unpin(layer, pinned)
             raise
@@ -394,8 +368,11 @@ class ExpertCache:
             ls = self.table.layers[layer]
             used_before = ls.stats.prefetch_hits
             present, absent, pinned = self.table.request(layer, experts)
+            for e in absent:
+                self.table.abort(ExpertKey(layer, e))
             self.table.unpin(layer, pinned)
-            assert not absent, "record_resident_use() of an expert that was not resident"
+            if absent:
+                raise RuntimeError(f"layer {layer}: record_resident_use() of experts {absent} that were not resident")
             return CallStats(len(present), 0, ls.stats.prefetch_hits - used_before, 0, 0.0)
 
     def unpin(self, layer: int, slots) -> None:
@@ -407,5 +384,7 @@ class ExpertCache:
         """Map expert ids (any shape) to slot ids; every id must be resident."""
         with self._lock:
             slots = self.table.layers[layer].expert_to_slot[expert_ids]
-        assert (slots >= 0).all(), "slot_ids() of a non-resident expert"
+        if (slots < 0).any():  # -1 would become an out-of-bounds uint32 gather index
+            missing = sorted(set(np.asarray(expert_ids)[slots < 0].tolist()))
+            raise RuntimeError(f"layer {layer}: slot_ids() of non-resident experts {missing}")
         return slots

@@ -10,6 +10,9 @@ key is in at most one slot; only commit() makes a slot valid, and abort()
 returns a reserved slot to free, so a failed load never leaves a valid slot.
 reserve() only hands out slots below `usable`; slots at or above it (after a
 shrink by the memory governor) hold at most experts still pinned or loading.
+Violations (reserving a key that has a slot, committing one that is not loading,
+unpinning a slot more often than it was pinned) raise RuntimeError: these checks
+guard memory safety and must hold under `python -O` too.
 Not thread-safe by itself: ExpertCache serialises access with its lock.
 """
 
@@ -111,7 +114,8 @@ class SlotTable:
     def reserve(self, key: ExpertKey, *, prefetch: bool = False) -> int | None:
         """Give `key` a slot in state loading, evicting if needed; None if every slot is busy."""
         ls = self.layers[key.layer]
-        assert ls.expert_to_slot[key.expert] < 0, f"{key} already has a slot"
+        if ls.expert_to_slot[key.expert] >= 0:
+            raise RuntimeError(f"reserve({key}): the expert already has slot {int(ls.expert_to_slot[key.expert])}")
         free = [s for s in range(ls.usable) if ls.state[s] == FREE]
         if free:
             slot = free[0]
@@ -134,7 +138,8 @@ class SlotTable:
     def commit(self, key: ExpertKey) -> None:
         ls = self.layers[key.layer]
         slot = ls.expert_to_slot[key.expert]
-        assert slot >= 0 and ls.state[slot] == LOADING, f"{key} was not loading"
+        if slot < 0 or ls.state[slot] != LOADING:
+            raise RuntimeError(f"commit({key}): the expert is not loading (slot {int(slot)})")
         ls.state[slot] = VALID
         if ls.prefetched[slot]:
             ls.stats.prefetch_loaded += 1
@@ -156,15 +161,20 @@ class SlotTable:
 
     def unpin(self, layer: int, slots) -> None:
         pins = self.layers[layer].pins
-        np.subtract.at(pins, np.asarray(slots, np.int64), 1)
-        assert (pins >= 0).all(), "unpinned a slot that was not pinned"
+        slots = np.asarray(slots, np.int64)
+        after = pins.copy()
+        np.subtract.at(after, slots, 1)
+        if (after < 0).any():
+            raise RuntimeError(f"layer {layer}: unpin of slot(s) {np.flatnonzero(after < 0).tolist()} that were not pinned")
+        pins[:] = after
 
     def set_usable(self, layer: int, n: int) -> int:
         """Allow only slots [0, n) to be filled from now on. Valid, unpinned experts in
         slots >= n are evicted now; pinned or loading ones stay until trim() after their
         release. Returns how many were evicted."""
         ls = self.layers[layer]
-        assert 1 <= n <= ls.n_slots, f"layer {layer}: usable {n} outside 1..{ls.n_slots}"
+        if not 1 <= n <= ls.n_slots:
+            raise ValueError(f"layer {layer}: usable slots {n} outside 1..{ls.n_slots}")
         ls.usable = n
         return self.trim(layer)
 

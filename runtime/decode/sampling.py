@@ -49,7 +49,14 @@ def accept_greedy(draft: list[int], target_argmax: np.ndarray) -> tuple[int, int
 
 
 def accept_sampled(draft: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
-    """Rejection sampling. q: (K, V) drafter distributions, p: (K+1, V) target distributions."""
+    """Rejection sampling. q: (K, Vq) drafter distributions, p: (K+1, Vp) target distributions.
+
+    Vq and Vp may differ (padded embedding tables): the shorter is padded with zeros, so
+    every token keeps its target probability (a draft beyond Vp has p = 0: rejected)."""
+    if q.shape[-1] != p.shape[-1]:
+        v = max(q.shape[-1], p.shape[-1])
+        q = np.pad(q, ((0, 0), (0, v - q.shape[-1])))
+        p = np.pad(p, ((0, 0), (0, v - p.shape[-1])))
     for i, d in enumerate(draft):
         if rng.random() * q[i, d] < p[i, d]:  # u < p/q without dividing by a tiny q
             continue

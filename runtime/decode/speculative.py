@@ -168,9 +168,11 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         self._routing = {}
         self.target.set_observer(self._observe)
-        self.target.label_round("verify")
-        logits = self._forward(window, snapshot, self._gate, count=True)[0]  # (K+1, V)
-        self.target.set_observer(None)
+        try:
+            self.target.label_round("verify")
+            logits = self._forward(window, snapshot, self._gate, count=True)[0]  # (K+1, V)
+        finally:
+            self.target.set_observer(None)  # also when the forward raises: never leave it observing
         mx.eval(logits)
         self.stats.verify_s += time.perf_counter() - t0
         return logits
@@ -194,9 +196,9 @@ class SpeculativeDecoder:
         if self.cfg.temp == 0:
             return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
         p = np.array(probabilities(logits, self.cfg.temp, self.cfg.top_p), np.float64)
-        q = draft.q
-        v = min(p.shape[-1], q.shape[-1])  # padded vocabularies may differ in length
-        return accept_sampled(draft.tokens, q[:, :v], p[:, :v], self.rng)
+        # Padded vocabularies may differ in length: accept_sampled pads the shorter with zeros
+        # (trimming p would drop target probability mass).
+        return accept_sampled(draft.tokens, draft.q, p, self.rng)
 
     def _score_forecast(self) -> None:
         for l, ids in self._routing.items():
