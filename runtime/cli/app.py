@@ -23,14 +23,22 @@ app = typer.Typer(
 
 
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs.")):
+def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs."),
+          mac_settings: str = typer.Option(None, "--mac-settings", envvar="SPECMOE_MAC_SETTINGS",
+                                           help="macOS only: auto (default), off, or e.g. fast_synch=on,wired_limit=off "
+                                                "(wired limit, command buffers, fast-synch; see runtime/macos).")):
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from runtime.macos.startup import apply_at_startup
+
+    _, applied = apply_at_startup(mac_settings)
+    if applied:
+        logging.getLogger("specmoe.macos").info("Mac settings applied: %s", ", ".join(applied))
 
 
 def _register() -> None:
-    from runtime.cli import demo, generate, plan, profile, selfcheck, store, tune
+    from runtime.cli import demo, doctor, generate, plan, profile, selfcheck, store, tune
 
-    for group in (demo, selfcheck, generate, store, profile, tune, plan):
+    for group in (demo, selfcheck, generate, store, profile, tune, plan, doctor):
         group.register(app)
 
 

@@ -111,6 +111,11 @@ def build_plan(
         assumed += list(engine.assumed)
         assumed.append("speculation: drafter depth half the target's, each layer at the target's layer time")
     constants = CostConstants(sync_ms_per_layer=sync_ms_per_layer, engine=engine)
+    for key, what in (("acceptance_rate", "acceptance"), ("forecast_recall", "prefetch recall"),
+                      ("repairs_per_token", "repairs per forward")):
+        if key in measured:
+            assumed.append(f"{what} {measured[key]} measured by `specmoe doctor` on the embedded tiny pair, "
+                           "not on this model")
     if "acceptance_rate" not in measured:
         assumed.append(f"acceptance {acceptance:.2f} per drafted token (--acceptance; not measured for this model)")
     if "forecast_recall" not in measured:

@@ -1,0 +1,90 @@
+"""Decoding on the embedded pair (runtime.checkpoints.embedded_pair) at 100/50/25% budgets, plain and
+speculative, with host syncs and repairs per token.
+
+Runs go through the public API (`runtime.load` / `stream_generate`), greedy, same prompt, in a fixed
+order; every run's tokens must equal the first run's (the lossless check doctor reports).
+
+Host syncs and repairs: when the run's stats carry `host_syncs` and `repairs` (the hot-path work,
+issue 14), those are used ("counted"). Otherwise they are derived from the one-sync counters that exist
+today ("derived"): a forward that succeeded as one pass costs 1 sync; one that fell back costs the
+failed pass plus a per-layer forward (MoE layers + 2); one not tried costs MoE layers + 1; a fallback
+is counted as a repair. Speculative rounds add one sync per drafted token.
+
+Invariant: the doctor never raises out of a decode run; a failure is reported in the row.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["decode_rows", "PROMPT"]
+
+PROMPT = "Enter the king, with his lords. The king speaks:"
+
+
+def _syncs(detail, n_moe: int, forwards: int, tries: int, fallbacks: int, extra: float) -> tuple[float, float, str]:
+    host_syncs, repairs = getattr(detail, "host_syncs", None), getattr(detail, "repairs", None)
+    if host_syncs is not None and repairs is not None:
+        return float(host_syncs), float(repairs), "counted"
+    ok = tries - fallbacks
+    untried = max(0, forwards - tries)
+    syncs = ok * 1 + fallbacks * (n_moe + 2) + untried * (n_moe + 1) + extra
+    return float(syncs), float(fallbacks), "derived from one-sync counters"
+
+
+def _run(target, drafter, budget: str, max_tokens: int, num_draft: int) -> dict:
+    from runtime import load, stream_generate
+
+    engine = load(str(target), budget=budget, draft=None if drafter is None else str(drafter),
+                  num_draft=num_draft if drafter else None, predictor="spmoe" if drafter else None,
+                  cutoff=None, memory_governor=False)
+    try:
+        n_moe = len(engine.model.modules)
+        t0 = time.perf_counter()
+        tokens, last = [], None
+        for response in stream_generate(engine, PROMPT, max_tokens=max_tokens):
+            tokens.append(response.token)
+            last = response
+        wall = time.perf_counter() - t0
+    finally:
+        engine.close()
+    stats, detail = last.stats, last.detail
+    decoded = max(1, stats.generation_tokens - 1)
+    row = {"tokens_per_s": round(stats.generation_tps, 2), "hit_rate": round(stats.hit_rate, 4),
+           "misses": stats.misses, "wall_s": round(wall, 2), "tokens": tokens, "n_moe_layers": n_moe}
+    if drafter is None:
+        forwards = decoded
+        syncs, repairs, how = _syncs(detail, n_moe, forwards, getattr(detail, "one_sync_tries", 0),
+                                     getattr(detail, "one_sync_fallbacks", 0), 0.0)
+        row.update(syncs_per_token=round(syncs / decoded, 2), repairs_per_token=round(repairs / decoded, 3))
+    else:
+        rounds = max(1, detail.n_rounds)
+        syncs, repairs, how = _syncs(detail, n_moe, rounds, detail.one_sync_tries, detail.one_sync_fallbacks,
+                                     float(detail.n_drafted))
+        emitted = max(1, detail.n_tokens)
+        row.update(syncs_per_token=round(syncs / emitted, 2), repairs_per_token=round(repairs / emitted, 3),
+                   acceptance=round(detail.acceptance, 3), tokens_per_round=round(detail.tokens_per_verify, 2),
+                   forecast_recall=round(detail.recall(), 3))
+    row["sync_counts"] = how
+    return row
+
+
+def decode_rows(max_tokens: int = 32, budgets: tuple[str, ...] = ("100%", "50%", "25%"),
+                num_draft: int = 3) -> list[dict]:
+    """One row per (budget, plain|speculative) on the embedded pair; rows carry an "error" on failure."""
+    from runtime.checkpoints import embedded_pair
+
+    pair = embedded_pair()
+    rows, reference = [], None
+    for budget in budgets:
+        for mode, drafter in (("plain", None), ("speculative", pair.default_drafter)):
+            try:
+                row = _run(pair.target, drafter, budget, max_tokens, num_draft)
+            except Exception as error:  # noqa: BLE001 - reported in the row, the doctor goes on
+                rows.append({"budget": budget, "mode": mode, "error": f"{type(error).__name__}: {error}"})
+                continue
+            tokens = row.pop("tokens")
+            reference = tokens if reference is None else reference
+            row.update(budget=budget, mode=mode, tokens_match_first_run=tokens == reference)
+            rows.append(row)
+    return rows
