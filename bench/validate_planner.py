@@ -4,12 +4,14 @@ Physics: single-stream MoE decode on a Mac is a sum of byte movements and fixed 
 weights and the experts in use stream from unified memory, missed experts come from the OS page
 cache (~10 GB/s) or the SSD (1.5-17 GB/s). Cost model v2 (runtime/plan/engine_costs.py) prices the
 fixed part from what each engine's code does: host syncs per forward and per layer at MLX's measured
-~180 us, command-buffer boundaries at ~20 us, and ONE fitted constant, `layer_us` (fixed GPU time per
-MoE layer: dispatch and small-kernel time the byte roofline misses). One constant for 24 rows.
+~180 us, command-buffer boundaries at ~20 us, and a fitted `layer_us` (fixed GPU time per MoE layer:
+dispatch and small-kernel time the byte roofline misses).
 
-For every row, `layer_us` is fitted on all OTHER rows (least absolute log error) and the row is then
-projected: its leave-one-out error. The table also shows v1 (one fitted 1.342 ms per layer of
-"sync", fitted on row m1pro-35b-k8) for comparison. Rows and engine kinds: bench/planner_rows.py.
+Three ways to fit, each judged leave-one-out (every row projected with constants fitted on the OTHER
+rows, least absolute log error): A, one layer_us for all engines; B, A plus a fitted price for
+per-layer waits; C, one layer_us per sync style (every layer vs once per forward). The planner's
+DEFAULT_LAYER_US is C's once-per-forward value (specmoe's style). The table also shows v1 (one fitted
+1.342 ms per layer of "sync", fitted on row m1pro-35b-k8). Rows and engine kinds: bench/planner_rows.py.
 
 Prints a fixed-width table (or --markdown), the medians, then one JSON line.
 Run: python bench/validate_planner.py [--markdown]
@@ -204,25 +206,27 @@ def _medians(results: list[dict]) -> dict:
 def render(record: dict, markdown: bool) -> str:
     lines = []
     header = ("row", "engine", "Mac", "model", "K", "hit", "published", "v1", "v1 err", "A (LOO)", "A err",
-              "B (LOO)", "B err")
+              "B (LOO)", "B err", "C (LOO)", "C err")
     if markdown:
         lines.append("| " + " | ".join(header) + " | source | engine differences | assumptions |")
         lines.append("|" + "---|" * (len(header) + 3))
     else:
         lines.append(f"{'row':18s} {'engine':26s} {'Mac':11s} {'K':>2s} {'hit':>10s} {'published':>9s} "
-                     f"{'v1':>6s} {'v1 err':>7s} {'A LOO':>6s} {'A err':>6s} {'B LOO':>6s} {'B err':>6s}  source")
+                     f"{'v1':>6s} {'v1 err':>7s} {'A LOO':>6s} {'A err':>6s} {'B LOO':>6s} {'B err':>6s} "
+                     f"{'C LOO':>6s} {'C err':>6s}  source")
     for r in record["rows"]:
         k_text = str(r["top_k"]) if r["top_k"] else "-"
-        a, b = r["loo_A"], r["loo_B"]
+        a, b, c = r["loo_A"], r["loo_B"], r["loo_C"]
         cells = (r["row"], r["engine"], r["mac"], r["model"], k_text, f"{r['hit_rate']:.2f} {r['hit_source']}",
                  f"{r['published_tok_s']:.2f}", f"{r['v1_tok_s']:.2f}", f"{r['v1_error_pct']:+.0f}%",
-                 f"{a['tok_s']:.2f}", f"{a['error_pct']:+.0f}%", f"{b['tok_s']:.2f}", f"{b['error_pct']:+.0f}%")
+                 f"{a['tok_s']:.2f}", f"{a['error_pct']:+.0f}%", f"{b['tok_s']:.2f}", f"{b['error_pct']:+.0f}%",
+                 f"{c['tok_s']:.2f}", f"{c['error_pct']:+.0f}%")
         if markdown:
             lines.append("| " + " | ".join(cells) + f" | {r['source']} | {r['differences']} | {r['note']} |")
         else:
             lines.append(f"{cells[0]:18s} {cells[1]:26s} {cells[2]:11s} {cells[4]:>2s} {cells[5]:>10s} "
                          f"{cells[6]:>9s} {cells[7]:>6s} {cells[8]:>7s} {cells[9]:>6s} {cells[10]:>6s} "
-                         f"{cells[11]:>6s} {cells[12]:>6s}  {r['source']}")
+                         f"{cells[11]:>6s} {cells[12]:>6s} {cells[13]:>6s} {cells[14]:>6s}  {r['source']}")
     fa, fb = record["fit_A_all_rows"], record["fit_B_all_rows"]
     lines += [
         "",

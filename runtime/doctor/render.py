@@ -37,9 +37,13 @@ def render_report(r: dict) -> str:
     else:
         d, f = sync.get("default", {}), sync.get("fast_synch", {})
         pays = sync.get("fast_synch_pays")
-        lines.append(f"- host sync: {d.get('sync_us', d.get('error'))} us default fence, "
-                     f"{f.get('sync_us', f.get('error'))} us with MLX_METAL_FAST_SYNCH=1 "
-                     f"({'pays' if pays else 'does not pay' if pays is False else 'not applicable here'})")
+        metal = (r.get("mlx") or {}).get("backend") == "metal"
+        verdict = ("pays" if pays else "does not pay" if pays is False
+                   else "CPU backend: the variable changes nothing, the difference is noise" if not metal
+                   else "not measured")
+        lines.append(f"- host sync: {d.get('sync_us', d.get('error'))} us with MLX_METAL_FAST_SYNCH=0 "
+                     f"({'default fence' if metal else 'CPU stream'}), {f.get('sync_us', f.get('error'))} us with "
+                     f"=1 ({verdict})")
     ssd = r.get("ssd") or {}
     if _error(ssd):
         lines.append(f"- SSD: {ssd['error']}")
