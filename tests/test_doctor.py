@@ -77,8 +77,10 @@ def test_syncs_derived_from_one_sync_counters_or_taken_as_counted():
     # 10 forwards over 8 MoE layers: 6 one-pass successes, 2 fallbacks, 2 not tried.
     syncs, repairs, how = _syncs(SimpleNamespace(), 8, forwards=10, tries=8, fallbacks=2, extra=0.0)
     assert (syncs, repairs, how) == (6 * 1 + 2 * 10 + 2 * 9, 2.0, "derived from one-sync counters")
-    counted = SimpleNamespace(host_syncs=11, repairs=1)
-    assert _syncs(counted, 8, 10, 8, 2, 0.0) == (11.0, 1.0, "counted")
+    plain = SimpleNamespace(host_syncs_per_token=1.25, repairs_per_token=0.25)
+    assert _syncs(plain, 8, 10, 8, 2, 0.0) == (12.5, 2.5, "counted")
+    spec = SimpleNamespace(host_syncs=11, repairs=1)
+    assert _syncs(spec, 8, 10, 8, 2, 6.0) == (17.0, 1.0, "counted (+1 per drafted token)")
 
 
 def test_ssd_probe_reads_a_fresh_uncached_file_at_two_depths(tmp_path):

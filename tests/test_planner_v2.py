@@ -130,12 +130,25 @@ def test_cli_v2_names_its_assumptions_and_takes_doctor_measurements(run_plan, tm
     assert data["speculation"]["acceptance_rate"] == 0.6 and data["prefetch_recall"] == 0.7
     assert not any(a.startswith(("sync price", "repairs per forward: one")) for a in data["assumed"])
     assert any("acceptance 0.6 measured by `specmoe doctor`" in a for a in data["assumed"])
+    # A per-layer sync share measured on the embedded pair carries over to this model's depth.
+    doctor.write_text(json.dumps({"kind": "specmoe-doctor", "planner_inputs": {
+        "backend": "cpu", "default_sync_us": 100.0, "syncs_per_layer": 1.0, "repairs_per_token": 0.0}}))
+    result = run_plan("--model", "qwen3-30b-a3b", "--mac", "m4-16gb", "--from-doctor", str(doctor), "--json", str(out))
+    data = json.loads(out.read_text())
+    step = data["projections"][0]["step"]
+    assert data["engine"]["syncs_per_layer"] == 1.0 and step["host_syncs"] == pytest.approx(1 + 48)
+    assert any("CPU backend" in a for a in data["assumed"])
+    result = run_plan("--model", "qwen3-30b-a3b", "--mac", "m4-16gb", "--syncs-per-token", "3",
+                      "--repairs-per-token", "0.5", "--json", str(out))
+    step = json.loads(out.read_text())["projections"][0]["step"]
+    assert step["host_syncs"] == pytest.approx(3.0) and step["repairs"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("args, fragment", [
     (("--cost-model", "v3"), "--cost-model must be v1 or v2"),
     (("--from-doctor", "/no/such/doctor.json"), "--from-doctor"),
     (("--repairs-per-token", "-1"), "--repairs-per-token"),
+    (("--syncs-per-token", "2"), "--syncs-per-token needs --repairs-per-token"),
 ])
 def test_cli_v2_bad_input_is_one_line_exit_2(run_plan, args, fragment):
     result = run_plan("--model", "qwen3-30b-a3b", "--mac", "m4-16gb", *args)

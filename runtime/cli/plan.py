@@ -82,6 +82,7 @@ def build_plan(
     cost_model: str = "v2",
     fast_synch: bool = False,
     repairs_per_token: float | None = None,
+    syncs_per_token: float | None = None,
     measured: dict[str, Any] | None = None,
     prompt_tokens: int = 1000,
 ) -> dict[str, Any]:
@@ -94,6 +95,8 @@ def build_plan(
         raise ValueError(f"--cost-model must be v1 or v2, got {cost_model!r}")
     measured = dict(measured or {})
     assumed: list[str] = []
+    if syncs_per_token is not None and repairs_per_token is None:
+        raise ValueError("--syncs-per-token needs --repairs-per-token too (measured syncs include the repairs' own)")
     name, config, config_source = load_model_config(model_ref)
     model = model_costs(config, bits=bits, group_size=group_size, top_k=top_k, name=name)
     mac = mac_profile(mac_name, ssd_capacity_gb=ssd_gb, wired_limit_mb=wired_limit_mb)
@@ -107,10 +110,17 @@ def build_plan(
     if cost_model == "v2":
         engine = specmoe_engine(fast_synch=fast_synch, repairs_per_token=repairs_per_token)
         sync_key = "fast_synch_sync_us" if fast_synch else "default_sync_us"
-        engine = engine.with_measured(sync_us=measured.get(sync_key), repairs_per_token=measured.get("repairs_per_token"))
+        engine = engine.with_measured(sync_us=measured.get(sync_key), repairs_per_token=measured.get("repairs_per_token"),
+                                      syncs_per_token=syncs_per_token, syncs_per_layer=measured.get("syncs_per_layer"))
+        if syncs_per_token is not None or "syncs_per_layer" in measured:
+            source = "--syncs-per-token" if syncs_per_token is not None else "doctor's embedded-pair runs"
+            assumed.append(f"host syncs per forward: {engine.syncs_per_forward:g} + {engine.syncs_per_layer:.3g} per "
+                           f"MoE layer, measured ({source})")
         assumed += list(engine.assumed)
         assumed.append("speculation: drafter depth half the target's, each layer at the target's layer time")
     constants = CostConstants(sync_ms_per_layer=sync_ms_per_layer, engine=engine)
+    if measured.get("backend") == "cpu":
+        assumed.append("the doctor report is from MLX's CPU backend: its sync price and counts are not a Mac's")
     for key, what in (("acceptance_rate", "acceptance"), ("forecast_recall", "prefetch recall"),
                       ("repairs_per_token", "repairs per forward")):
         if key in measured:
@@ -245,6 +255,9 @@ def plan_command(
     repairs_per_token: Annotated[
         Optional[float], _opt("--repairs-per-token", "Measured repairs per forward (default: expected).")
     ] = None,
+    syncs_per_token: Annotated[
+        Optional[float], _opt("--syncs-per-token", "Measured host syncs per token (default: the code's count).")
+    ] = None,
     from_doctor: Annotated[
         Optional[Path], _opt("--from-doctor", "Use what `specmoe doctor --json` measured on the Mac.")
     ] = None,
@@ -260,6 +273,7 @@ def plan_command(
             acceptance=acceptance, drafter_gb=drafter_gb, overlap_scale=overlap_scale,
             prefetch_recall=prefetch_recall, sync_ms_per_layer=sync_ms_per_layer, cost_model=cost_model,
             fast_synch=fast_synch, repairs_per_token=repairs_per_token, prompt_tokens=prompt_tokens,
+            syncs_per_token=syncs_per_token,
             measured=measured_from_doctor(from_doctor) if from_doctor is not None else None,
         )
         if json_path is not None:

@@ -4,8 +4,9 @@ speculative, with host syncs and repairs per token.
 Runs go through the public API (`runtime.load` / `stream_generate`), greedy, same prompt, in a fixed
 order; every run's tokens must equal the first run's (the lossless check doctor reports).
 
-Host syncs and repairs: when the run's stats carry `host_syncs` and `repairs` (the hot-path work,
-issue 14), those are used ("counted"). Otherwise they are derived from the one-sync counters that exist
+Host syncs and repairs: when the run's stats carry them (the hot-path work, issue 14: plain
+`host_syncs_per_token` / `repairs_per_token`, speculative `host_syncs` / `repairs`), those are used
+("counted"). Otherwise they are derived from the one-sync counters that exist
 today ("derived"): a forward that succeeded as one pass costs 1 sync; one that fell back costs the
 failed pass plus a per-layer forward (MoE layers + 2); one not tried costs MoE layers + 1; a fallback
 is counted as a repair. Speculative rounds add one sync per drafted token.
@@ -23,9 +24,17 @@ PROMPT = "Enter the king, with his lords. The king speaks:"
 
 
 def _syncs(detail, n_moe: int, forwards: int, tries: int, fallbacks: int, extra: float) -> tuple[float, float, str]:
+    """(host syncs, repairs, how they were obtained) over `forwards` forwards (see the module docstring).
+
+    Counted, when the stats carry them: plain runs report `host_syncs_per_token` and
+    `repairs_per_token` (per decoded token = per forward), speculative runs `host_syncs` and `repairs`
+    of their verify passes, to which `extra` (one sync per drafted token) is added."""
+    per_token = getattr(detail, "host_syncs_per_token", None)
+    if per_token is not None and getattr(detail, "repairs_per_token", None) is not None:
+        return float(per_token) * forwards, float(detail.repairs_per_token) * forwards, "counted"
     host_syncs, repairs = getattr(detail, "host_syncs", None), getattr(detail, "repairs", None)
     if host_syncs is not None and repairs is not None:
-        return float(host_syncs), float(repairs), "counted"
+        return float(host_syncs) + extra, float(repairs), "counted (+1 per drafted token)"
     ok = tries - fallbacks
     untried = max(0, forwards - tries)
     syncs = ok * 1 + fallbacks * (n_moe + 2) + untried * (n_moe + 1) + extra

@@ -139,6 +139,9 @@ def _planner_inputs(results: dict, rows: list[dict], default_us, fast_us) -> dic
         "backend": "metal" if metal else "cpu",
         "default_sync_us": default_us, "fast_synch_sync_us": fast_us if metal else None,
         "syncs_per_token": median(r["syncs_per_token"] for r in plain),
+        # the per-layer share carries to a model of another depth: (syncs - 1 - repairs) / MoE layers
+        "syncs_per_layer": median(round(max(0.0, (r["syncs_per_token"] - 1 - r["repairs_per_token"])
+                                            / r["n_moe_layers"]), 3) for r in plain),
         "repairs_per_token": median(r["repairs_per_token"] for r in plain),
         "acceptance_rate": median(r["acceptance"] for r in spec),
         "forecast_recall": median(r["forecast_recall"] for r in spec),

@@ -61,8 +61,13 @@ class EngineProfile:
             raise ValueError(f"repair_fraction must be in [0, 1], got {self.repair_fraction!r}")
 
     def with_measured(self, *, sync_us: float | None = None, syncs_per_token: float | None = None,
-                      repairs_per_token: float | None = None) -> "EngineProfile":
-        """This profile with measured values replacing assumed ones (None keeps the current value)."""
+                      repairs_per_token: float | None = None,
+                      syncs_per_layer: float | None = None) -> "EngineProfile":
+        """This profile with measured values replacing assumed ones (None keeps the current value).
+
+        `syncs_per_token` is for the model being planned (its repairs' syncs included);
+        `syncs_per_layer` is the per-MoE-layer share measured on another model (doctor's embedded
+        pair), which carries over to a model of different depth."""
         assumed = list(self.assumed)
         changes: dict = {}
         if sync_us is not None:
@@ -73,7 +78,9 @@ class EngineProfile:
             repairs = repairs_per_token if repairs_per_token is not None else (self.repairs_per_token or 0.0)
             changes["syncs_per_forward"] = max(0.0, syncs_per_token - repairs)
             changes["syncs_per_layer"] = 0.0
-            assumed = [a for a in assumed if not a.startswith("syncs per forward")]
+        elif syncs_per_layer is not None:
+            changes["syncs_per_forward"] = 1.0
+            changes["syncs_per_layer"] = max(0.0, syncs_per_layer)
         if repairs_per_token is not None:
             changes["repairs_per_token"] = repairs_per_token
             assumed = [a for a in assumed if not a.startswith("repairs")]
