@@ -23,7 +23,7 @@ import numpy as np
 
 def _dense_weight(gate) -> mx.array | None:
     """(E, D) float32 weight of a bias-free Linear or QuantizedLinear gate, else None."""
-    if "bias" in gate:
+    if not isinstance(gate, nn.Module) or "bias" in gate:  # a plain function (e.g. a MoEGate's scores) or a biased router
         return None
     if isinstance(gate, nn.QuantizedLinear):
         return mx.dequantize(gate.weight, gate.scales, gate.get("biases"), group_size=gate.group_size,

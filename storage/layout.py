@@ -1,10 +1,15 @@
 """Layouts of routed experts: what one expert of one layer consists of.
 
 mlx-lm stores a MoE layer's experts stacked: `<prefix>.{gate,up,down}_proj.{weight,
-scales,biases}` with a leading expert dimension E. Expert e's slice of each tensor
-is one contiguous byte range, so an expert is a fixed list of per-expert tensors.
+scales,biases,bias}` with a leading expert dimension E, where <prefix> is the expert
+module's path (`...mlp.switch_mlp` for most families, `...mlp.experts` for gpt-oss).
+A projection is stacked when its weight has 3 dimensions ([E, out, in or packed in]);
+the 2-D gate/up/down projections of dense layers and shared experts stay resident.
+`scales` without `biases` is a quantization mode without offsets (mxfp4); `bias` is
+the linear bias (gpt-oss). Expert e's slice of each tensor is one contiguous byte
+range, so an expert is a fixed list of per-expert tensors.
 
-Invariants: `tensors` has a fixed order (projection, then weight/scales/biases)
+Invariants: `tensors` has a fixed order (projection, then weight/scales/biases/bias)
 shared by the raw reader, the packed records and the cache slabs; every tensor's
 nbytes is prod(shape) * itemsize; `expert_bytes` is their sum.
 """
@@ -19,8 +24,8 @@ from storage.errors import StoreError
 from storage.safetensors_header import DTYPE_ITEMSIZE, TensorEntry
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-PARTS = ("weight", "scales", "biases")
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.switch_mlp)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases)$")
+PARTS = ("weight", "scales", "biases", "bias")
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases|bias)$")
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 _UNSTACKED = re.compile(r"\.experts\.\d+\.")
 
@@ -37,13 +42,13 @@ class ExpertTensor:
 class QuantSpec:
     group_size: int  # elements per quantization group
     bits: int  # bits per quantized element
-    mode: str  # mlx quantization mode ("affine")
+    mode: str  # mlx quantization mode ("affine", "mxfp4", ...)
 
 
 @dataclass(frozen=True)
 class LayerLayout:
     layer: int  # decoder-layer index
-    prefix: str  # full module path of the stacked experts, e.g. "model.layers.3.mlp.switch_mlp"
+    prefix: str  # full module path of the stacked experts, e.g. "model.layers.3.mlp.switch_mlp" or "...mlp.experts"
     n_experts: int  # E
     tensors: tuple[ExpertTensor, ...]  # per-expert tensors in canonical order
     quant: dict[str, QuantSpec | None]  # projection -> quantization (None: unquantized)
@@ -108,6 +113,17 @@ def _quant_spec(path, prefix: str, proj: str, parts: dict[str, TensorEntry], con
     return QuantSpec(group_size, bits, mode)
 
 
+def _stacked(where, prefix: str, projs: dict[str, dict[str, TensorEntry]]) -> bool:
+    """Whether the gate/up/down projections under `prefix` are stacked experts (3-D weights)."""
+    dims = {proj: len(parts["weight"].shape) for proj, parts in projs.items() if "weight" in parts}
+    stacked = {proj for proj, d in dims.items() if d == 3}
+    if stacked and len(stacked) != len(dims):
+        raise StoreError(where, f"projections {sorted(dims)} mix stacked (3-D) and unstacked weights", tensor=prefix)
+    if not dims:  # scales or biases without any weight: only a stacked block can be named by them
+        return any(len(e.shape) == 3 for parts in projs.values() for e in parts.values())
+    return bool(stacked)
+
+
 def discover_layouts(entries: dict[str, tuple[str, TensorEntry]], config: dict, where) -> dict[int, LayerLayout]:
     """Find every stacked expert tensor among `entries` (name -> (file, entry)).
 
@@ -122,6 +138,7 @@ def discover_layouts(entries: dict[str, tuple[str, TensorEntry]], config: dict, 
         m = _EXPERT_TENSOR.match(name)
         if m:
             groups.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[m["part"]] = entry
+    groups = {p: projs for p, projs in groups.items() if _stacked(where, p, projs)}
     layouts: dict[int, LayerLayout] = {}
     for prefix, projs in groups.items():
         lm = _LAYER_INDEX.search(prefix + ".")

@@ -145,7 +145,7 @@ def test_dedup_switch_glu_returns_what_switch_returns(dtype, shape):
 
 def test_dedup_switch_glu_on_a_cache_backed_switch():
     """The module CachedSwitchGLU builds over its slabs is accepted as is."""
-    from runtime.cache.cached_switch import slab_switch_glu
+    from runtime.cache.slab_switch import slab_switch_glu
     from storage.layout import LayerLayout, QuantSpec
 
     quant = {p: QuantSpec(64, 4, "affine") for p in ("gate_proj", "up_proj", "down_proj")}

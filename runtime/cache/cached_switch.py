@@ -3,9 +3,10 @@
 Shapes: N = tokens in the call, k = experts per token, D = hidden, S = cache slots.
     x: (..., D), indices: (..., k) expert ids  ->  (..., k, D), the SwitchGLU contract.
 
-The module keeps a stock SwitchGLU whose stacked weights are the cache's slabs
-([S, ...] instead of [E, ...]) and calls it with slot ids, so the arithmetic is
-mlx-lm's own and the output is bit-identical to the resident model.
+The module keeps the family's own expert module (runtime/cache/slab_switch.py) whose
+stacked weights are the cache's slabs ([S, ...] instead of [E, ...]) and calls it with
+slot ids, so the arithmetic is mlx-lm's own and the output is bit-identical to the
+resident model.
 
 Invariants:
 - Before a call touches the slabs, every earlier output of this module has been
@@ -24,35 +25,11 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
 from metal import window_switch_glu
 from runtime.cache.expert_cache import ExpertCache
+from runtime.cache.slab_switch import slab_switch_glu
 from storage import LayerLayout
-
-
-def slab_switch_glu(layout: LayerLayout, slabs: dict[str, mx.array], activation) -> SwitchGLU:
-    """A stock SwitchGLU whose expert weights are the cache slabs of one layer."""
-    linears = {}
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        weight = slabs[f"{proj}.weight"]
-        q = layout.quant[proj]
-        out_dims = weight.shape[1]
-        if q is None:
-            lin = SwitchLinear(weight.shape[2], out_dims, 1, bias=False)
-            lin.weight = weight
-        else:
-            in_dims = slabs[f"{proj}.scales"].shape[-1] * q.group_size
-            lin = QuantizedSwitchLinear(in_dims, out_dims, 1, bias=False, group_size=q.group_size, bits=q.bits, mode=q.mode)
-            lin.weight = weight
-            lin.scales = slabs[f"{proj}.scales"]
-            lin.biases = slabs.get(f"{proj}.biases")
-        linears[proj] = lin
-    hidden = linears["gate_proj"].output_dims
-    glu = SwitchGLU(linears["gate_proj"].input_dims, hidden, 1, activation=activation)
-    glu.gate_proj, glu.up_proj, glu.down_proj = linears["gate_proj"], linears["up_proj"], linears["down_proj"]
-    glu.freeze()
-    return glu
 
 
 def split_by_capacity(ids: np.ndarray, capacity: int) -> list[slice]:
@@ -69,14 +46,15 @@ def split_by_capacity(ids: np.ndarray, capacity: int) -> list[slice]:
 
 
 class CachedSwitchGLU(nn.Module):
-    def __init__(self, layer: int, layout: LayerLayout, cache: ExpertCache, activation, observer=None):
+    def __init__(self, layer: int, layout: LayerLayout, cache: ExpertCache, activation, observer=None, like=None):
         super().__init__()
         self.layer = layer
         self.cache = cache
         self.observer = observer  # if set: observer(layer, expert_ids (N, k)) on every call (the decoder's)
         self.telemetry = None  # if set: telemetry.on_call(layer, expert_ids (N, k), [CallStats per group])
         self.one_sync = None  # an OneSyncPass while one runs: no host sync here (runtime/decode/one_sync.py)
-        self.switch = slab_switch_glu(layout, cache.slabs[layer], activation)
+        # like: the stock expert module being replaced; the slab module runs its class (runtime/cache/slab_switch.py)
+        self.switch = slab_switch_glu(layout, cache.slabs[layer], activation, like=like)
         self._pending: list[tuple[mx.array, np.ndarray]] = []
 
     def _release(self) -> None:

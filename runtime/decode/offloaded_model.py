@@ -1,8 +1,9 @@
 """OffloadedModel: an mlx-lm model whose routed experts are paged from disk.
 
 Loading: mlx-lm builds the model lazily from the checkpoint (raw) or from the
-store's resident weights (packed); every MoE block's `switch_mlp` is replaced on
-that instance by a CachedSwitchGLU before any parameter is evaluated, so expert
+store's resident weights (packed); every expert module found from the model's
+structure (runtime/decode/moe_blocks.py: `switch_mlp`, gpt-oss's `experts`, ...) is
+replaced on that instance by a CachedSwitchGLU running the family's own class before any parameter is evaluated, so expert
 tensors are never materialised. mlx-lm classes are not patched: a stock model
 loaded in the same process is unaffected.
 
@@ -20,13 +21,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model, load_tokenizer
 
 from runtime.cache import BudgetPlan, kv_bytes_estimate, parse_budget, plan_budget
 from runtime.cache import CachedSwitchGLU
 from runtime.cache import ExpertCache
 from runtime.decode.families import check_supported, top_k
+from runtime.decode.moe_blocks import block_info, find_expert_modules
 from runtime.cache import GovernorConfig, MemoryGovernor
 from runtime.observe import Telemetry
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
@@ -88,7 +89,7 @@ class OffloadedModel:
         check_supported(store.config, Path(path) / "config.json")
         layouts = store.layouts()
         if not layouts:
-            raise StoreError(path, "has no stacked routed-expert tensors (*.switch_mlp.*); nothing to page")
+            raise StoreError(path, "has no stacked routed-expert tensors (3-D *.{gate,up,down}_proj.weight); nothing to page")
         plan = plan_budget(
             parse_budget(cfg.budget),
             expert_bytes={l: lay.expert_bytes for l, lay in layouts.items()},
@@ -118,7 +119,7 @@ class OffloadedModel:
     @staticmethod
     def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:
         by_prefix = {lay.prefix: lay for lay in layouts.values()}
-        stock = [(p, m) for p, m in model.named_modules() if isinstance(m, SwitchGLU) and p.endswith("switch_mlp")]
+        stock = sorted(find_expert_modules(model).items())
         found = {p for p, _ in stock}
         for prefix in by_prefix:
             if prefix not in found:
@@ -128,7 +129,10 @@ class OffloadedModel:
             lay = by_prefix.get(path)
             if lay is None:
                 raise StoreError(store.model_dir, "missing expert tensors for this MoE block", tensor=f"{path}.gate_proj.weight")
-            modules[lay.layer] = CachedSwitchGLU(lay.layer, lay, cache, module.activation)
+            try:
+                modules[lay.layer] = CachedSwitchGLU(lay.layer, lay, cache, module.activation, like=module)
+            except ValueError as e:
+                raise StoreError(store.model_dir, str(e), tensor=path) from None
             _set_module(model, path, modules[lay.layer])
         return modules
 
@@ -154,10 +158,8 @@ class OffloadedModel:
 
         out = {}
         for layer in self.modules:
-            block_path = self.store.layout(layer).prefix.rpartition(".")[0]  # "...layers.3.mlp"
-            block = get_module(self.model, block_path)
-            decoder_layer = get_module(self.model, block_path.rpartition(".")[0])
-            out[layer] = TargetRouter(layer, decoder_layer.post_attention_layernorm, block.gate)
+            info = block_info(self.model, self.store.layout(layer).prefix)
+            out[layer] = TargetRouter(layer, info.norm, info.logits)
         return out
 
     def label_round(self, kind: str) -> None:
