@@ -280,3 +280,14 @@ def test_cli_malformed_config_and_unwritable_json(run_plan, tmp_path):
     target = tmp_path / "nope" / "plan.json"
     result = run_plan("--model", "olmoe", "--mac", "m4-16gb", "--json", str(target))
     assert result.exit_code == 2 and "does not exist" in result.stderr and not target.exists()
+
+
+def test_glm_air_weight_counts_reproduce_the_published_total():
+    """The glm-4.5-air reference row is derived from its dimensions; the published 106B total checks them."""
+    from runtime.plan.model_families import family_weights
+
+    record = preset("glm-4.5-air")
+    w = family_weights("glm4_moe", record["config"])
+    total = w.embedding + w.lm_head + w.quantized + w.router + w.small + w.n_moe_layers * w.n_experts * w.expert
+    assert total / 1e9 == pytest.approx(record["reference"]["total_params_b"], rel=0.01)
+    assert (w.n_layers, w.n_moe_layers) == (46, 45)  # layer 0 is dense

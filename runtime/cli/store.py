@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import typer
@@ -58,6 +59,9 @@ def register(app: typer.Typer) -> None:
                 "bytes_per_expert": first.expert_bytes if first else 0,
                 "resident_bytes": store.resident_bytes, "expert_bytes": store.expert_bytes_total,
                 "quantization": {p: (q.__dict__ if q else None) for p, q in first.quant.items()} if first else {},
+                "expert_module": re.sub(r"layers\.\d+\.", "layers.*.", first.prefix) if first else None,
+                "expert_tensors": [t.name for t in first.tensors] if first else [],
+                "moe_layer_ids": sorted(layouts),
             }
             try:
                 check_supported(store.config, model)
@@ -85,7 +89,7 @@ def register(app: typer.Typer) -> None:
     @app.command("make-tiny")
     def make_tiny_cmd(
         out: Path = typer.Argument(..., help="New directory to write the checkpoint into."),
-        family: str = typer.Option("qwen3_moe", "--family", help="qwen3_moe, mixtral, qwen3_next, qwen3_5_moe, or qwen3 (a dense drafter)."),
+        family: str = typer.Option("qwen3_moe", "--family", help="qwen3_moe, mixtral, qwen3_next, qwen3_5_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, or qwen3 (a dense drafter)."),
         seed: int = typer.Option(0, "--seed"),
         layers: int = typer.Option(4, "--layers", min=1),
         experts: int = typer.Option(16, "--experts", min=2),

@@ -3,7 +3,7 @@
 `family_weights(model_type, cfg)` turns the language-model fields of an HF-style config.json into a
 frozen `Weights` record (weight counts by role, layer and expert counts, KV growth per token, fixed
 recurrent state). Families: qwen3_moe, qwen3_next, qwen3_5_moe (+ _text), mixtral, olmoe,
-deepseek_v2, gpt_oss.
+deepseek_v2, deepseek_v3 (same MLA and MoE structure as v2), glm4_moe, gpt_oss.
 
 Invariants: counts are weights, not bytes (model_costs turns them into bytes); "KV per token" counts
 only layers whose cache grows with context, sliding-window layers separately with their window, and
@@ -220,6 +220,31 @@ def _gpt_oss(cfg: dict[str, Any], mt: str) -> Weights:
     )
 
 
+def _glm4_moe(cfg: dict[str, Any], mt: str) -> Weights:
+    """GLM-4.5 / 4.5-Air: GQA with q/k/v bias, dense first layers, one shared expert, a float MoEGate."""
+    h, n_layers = _int(cfg, "hidden_size", mt), _int(cfg, "num_hidden_layers", mt)
+    n_heads, n_kv = _int(cfg, "num_attention_heads", mt), _int(cfg, "num_key_value_heads", mt)
+    head_dim = _int(cfg, "head_dim", mt, h // n_heads)
+    n_moe = n_layers - min(n_layers, _int(cfg, "first_k_dense_replace", mt, 0))
+    expert_inter = _int(cfg, "moe_intermediate_size", mt)
+    shared = n_moe * 3 * h * expert_inter * _int(cfg, "n_shared_experts", mt, 0)
+    dense_mlp = (n_layers - n_moe) * 3 * h * _int(cfg, "intermediate_size", mt)
+    n_experts, top_k = _int(cfg, "n_routed_experts", mt), _int(cfg, "num_experts_per_tok", mt)
+    qkv_bias = (n_heads + 2 * n_kv) * head_dim if cfg.get("attention_bias") else 0
+    qk_norm = 2 * head_dim if cfg.get("use_qk_norm") else 0
+    embedding, lm_head = _embeddings(cfg, mt, h)
+    return Weights(
+        embedding=embedding, lm_head=lm_head,
+        quantized=n_layers * _gqa_attention(h, n_heads, n_kv, head_dim) + shared + dense_mlp,
+        router=n_moe * h * n_experts,
+        small=n_layers * (2 * h + qkv_bias + qk_norm) + n_moe * n_experts + h,  # + the gate's correction bias
+        expert=3 * h * expert_inter, expert_small=0,
+        n_layers=n_layers, n_moe_layers=n_moe, n_experts=n_experts, top_k=top_k,
+        kv_bytes_per_token=n_layers * 2 * n_kv * head_dim * _FP16_BYTES,
+        window_kv_bytes_per_token=0, window_tokens=0, state_bytes=0, router_8bit=False,
+    )
+
+
 def config_int(cfg: dict[str, Any], key: str, model_type: str, default: Any = ...) -> int:
     """A non-negative int field of a config (see _int)."""
     return _int(cfg, key, model_type, default)
@@ -244,6 +269,8 @@ _FAMILIES = {
     "mixtral": _mixtral_like,
     "olmoe": _mixtral_like,
     "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v2,  # same MLA attention, dense first layers and shared experts; router + correction bias
+    "glm4_moe": _glm4_moe,
     "gpt_oss": _gpt_oss,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
