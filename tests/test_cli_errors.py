@@ -93,7 +93,7 @@ def test_bad_checkpoint(case, tiny_qwen, tmp_path):
 
     assert re.search(message, err), err
     _check_one_line_error(code, out, err, name)
-    code2, _, err2 = run_cli(["convert", str(tiny_qwen), str(tmp_path / "dst")])
+    code2, _, err2 = run_cli(["convert", "-m", str(tiny_qwen), "--out", str(tmp_path / "dst")])
     assert code2 == 2 and "Traceback" not in err2
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))
     assert tree_digest(tiny_qwen) == before  # the source is never modified
@@ -140,7 +140,7 @@ def test_convert_refuses_existing_destination_and_keeps_it(tiny_qwen, tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
-    code, _, err = run_cli(["convert", str(tiny_qwen), str(dst)])
+    code, _, err = run_cli(["convert", "-m", str(tiny_qwen), "--out", str(dst)])
     _check_one_line_error(code, "", err, "--force")
     assert (dst / "keep.txt").read_text() == "mine"
 
@@ -159,7 +159,7 @@ def test_interrupted_convert_leaves_no_store(tiny_qwen, tmp_path, monkeypatch):
 
     monkeypatch.setattr(packer, "_write_layer", dying)
     before = tree_digest(tiny_qwen)
-    code, _, err = run_cli(["convert", str(tiny_qwen), str(tmp_path / "dst")])
+    code, _, err = run_cli(["convert", "-m", str(tiny_qwen), "--out", str(tmp_path / "dst")])
     _check_one_line_error(code, "", err, "No space left")
     assert not (tmp_path / "dst").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

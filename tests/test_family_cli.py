@@ -25,10 +25,10 @@ def drafter(tmp_path_factory):
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_convert_info_generate_profile(family, tiny_dirs, drafter, tmp_path):
     src, dst = tiny_dirs[family], tmp_path / "packed"
-    code, _, err = run_cli(["convert", str(src), str(dst)])
+    code, _, err = run_cli(["convert", "-m", str(src), "--out", str(dst)])
     assert code == 0, err
     for path in (src, dst):
-        code, _, err = run_cli(["info", str(path), "--budget", "25%", "--json", str(tmp_path / "info.json")])
+        code, _, err = run_cli(["info", "-m", str(path), "--budget", "25%", "--json", str(tmp_path / "info.json")])
         assert code == 0, err
         facts = json.loads((tmp_path / "info.json").read_text())
         assert facts["supported"] and facts["model_type"] == family

@@ -12,6 +12,9 @@ import sys
 import click
 import typer
 
+# Plain click help (rich_markup_mode=None): on/off flags read `--x / --no-x` with no `<bool>`
+# placeholder, and `-h` works everywhere (click passes help_option_names down to subcommands).
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 120}
 app = typer.Typer(
     name="specmoe",
     help="Run Mixture-of-Experts models larger than memory: experts paged from SSD into a budgeted cache, "
@@ -19,14 +22,30 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,
+    context_settings=CONTEXT,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("specmoe")
+        except PackageNotFoundError:
+            v = "unknown (not installed)"
+        typer.echo(f"specmoe {v}")
+        raise typer.Exit()
 
 
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs."),
           mac_settings: str = typer.Option(None, "--mac-settings", envvar="SPECMOE_MAC_SETTINGS",
                                            help="macOS only: auto (default), off, or e.g. fast_synch=on,wired_limit=off "
-                                                "(wired limit, command buffers, fast-synch; see runtime/macos).")):
+                                                "(wired limit, command buffers, fast-synch; see runtime/macos)."),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")):
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from runtime.macos.startup import apply_at_startup
 
@@ -36,9 +55,9 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 
 
 def _register() -> None:
-    from runtime.cli import demo, doctor, generate, plan, profile, selfcheck, store, tune
+    from runtime.cli import chat, demo, doctor, generate, plan, profile, selfcheck, serve, store, tune
 
-    for group in (demo, selfcheck, generate, store, profile, tune, plan, doctor):
+    for group in (demo, selfcheck, generate, chat, serve, store, profile, tune, plan, doctor):
         group.register(app)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from runtime.cli import options as opt
 from runtime.observe import console, err_console, write_json
 
 DEMO_PROMPT = "Enter the king, with his lords. The king speaks:"
@@ -59,17 +60,23 @@ def run_demo(target: Path, draft: Path, prompt: str, max_tokens: int, budget: st
 def register(app: typer.Typer) -> None:
     @app.command()
     def demo(
-        prompt: str = typer.Option(DEMO_PROMPT, "--prompt", "-p"),
-        max_tokens: int = typer.Option(48, "--max-tokens", "-n", min=1),
-        budget: str = typer.Option("40%", "--budget", "-b", help="Expert cache size (default: ~40% of the experts)."),
-        num_draft: int = typer.Option(3, "--num-draft", "-k", min=1),
+        prompt: str = opt.prompt_option(required=False, default=DEMO_PROMPT),
+        max_tokens: int = opt.max_tokens_option(48, "Tokens to generate in each of the three runs (short: a demo)."),
+        budget: str = opt.budget_option("Expert cache size (default: ~40% of the experts, so the demo pages).",
+                                        opt.DEMO_BUDGET),
+        num_draft: int = opt.num_draft_option(opt.DEFAULT_NUM_DRAFT, "Tokens the drafter proposes per round (K)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered or direct (reads bypass the page cache)."),
-        model: Path = typer.Option(None, "--model", help="Target to demo instead of the embedded one."),
-        draft: Path = typer.Option(None, "--draft", help="Drafter to use instead of the embedded one."),
-        json_path: Path = typer.Option(None, "--json"),
+        model: Path = opt.model_option(required=False, help="Target to demo instead of the embedded one "
+                                                            "(path or hub id)."),
+        draft: Path = opt.draft_option(help="Drafter to use instead of the embedded one (path or hub id)."),
+        json_path: Path = opt.json_option(),
     ):
         """Run the embedded trained MoE + drafter: plain vs speculative vs speculative with expert prefetch."""
         from runtime.checkpoints import embedded_pair
+
+        prompt = opt.read_prompt(prompt)
+        if num_draft < 1:
+            raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
 
         if model is None or draft is None:
             pair = embedded_pair()

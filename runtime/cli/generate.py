@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 
 from runtime.cache import format_bytes
-from runtime.observe import console, err_console, write_json
+from runtime.cli import options as opt
+from runtime.observe import console, err_console, progress_bar, write_json
 
 
 def describe_plan(om) -> str:
@@ -36,18 +37,32 @@ def spec_line(stats, prefetch_layers) -> str:
             f"one-sync verifies {stats.one_sync_tries - stats.one_sync_fallbacks}/{stats.n_rounds}")
 
 
+def prompt_ids(tokenizer, prompt: str, system_prompt: str | None, *, chat: bool) -> list[int]:
+    """The prompt's token ids: through the chat template (with the system prompt) when asked and available."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    if system_prompt:
+        raise ValueError("--system-prompt needs the tokenizer's chat template; drop --raw-prompt")
+    return list(tokenizer.encode(prompt))
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def generate(
-        model: Path = typer.Option(..., "--model", "-m", help="mlx-lm checkpoint directory or a store made by `specmoe convert`."),
-        prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
-        budget: str = typer.Option("50%", "--budget", "-b", help="Expert cache size: 6GB, 512MiB, 40% (of expert bytes) or auto."),
-        max_tokens: int = typer.Option(100, "--max-tokens", "-n", min=1, help="Tokens to generate."),
-        temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature; 0 is greedy."),
-        top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
-        seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
-        draft: Path = typer.Option(None, "--draft", help="Drafter (mlx-lm model dir sharing the tokenizer): enables speculative decoding."),
-        num_draft: int = typer.Option(None, "--num-draft", "-k", help="Tokens the drafter proposes per round (K; default: tuned, else 4)."),
+        model: Path = opt.model_option(),
+        prompt: str = opt.prompt_option(),
+        system_prompt: str = opt.system_prompt_option(),
+        budget: str = opt.budget_option(),
+        max_tokens: int = opt.max_tokens_option(),
+        temp: float = opt.temp_option(),
+        top_p: float = opt.top_p_option(),
+        top_k: int = opt.top_k_option(),
+        min_p: float = opt.min_p_option(),
+        seed: int = opt.seed_option(),
+        draft: Path = opt.draft_option(),
+        num_draft: int = opt.num_draft_option(),
         predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, oracle (default: tuned, else spmoe)."),
         cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, else all)."),
         forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default the model's k; 2k covers more, reads more)."),
@@ -61,15 +76,15 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
         chat: bool = typer.Option(True, "--chat/--raw-prompt", help="Apply the tokenizer's chat template if it has one."),
-        json_path: Path = typer.Option(None, "--json", help="Write the text and stats as JSON to this path."),
+        json_path: Path = opt.json_option("Write the text and stats as JSON to this path."),
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),
         inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
     ):
         """Generate text with routed experts paged from disk into a fixed-budget cache."""
         from runtime.api import load, stream_generate
-        from runtime.decode import encode_prompt
 
+        prompt = opt.read_prompt(prompt)
         if num_draft is not None and num_draft < 1:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
         engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,
@@ -82,9 +97,10 @@ def register(app: typer.Typer) -> None:
             for note in engine.notes:
                 err_console.print(note, highlight=False)
             err_console.print(describe_plan(om), highlight=False)
-            ids = encode_prompt(om.tokenizer, prompt, chat=chat)
+            ids = prompt_ids(om.tokenizer, prompt, system_prompt, chat=chat)
             tokens = []
-            for r in stream_generate(engine, ids, max_tokens, temp=temp, top_p=top_p, seed=seed, one_sync=one_sync):
+            for r in stream_generate(engine, ids, max_tokens, temp=temp, top_p=top_p,
+                                       top_k=top_k, min_p=min_p, seed=seed, one_sync=one_sync):
                 tokens.append(r.token)
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
@@ -108,15 +124,14 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def calibrate(
-        model: Path = typer.Option(..., "--model", "-m", help="Target checkpoint or store."),
-        draft: Path = typer.Option(..., "--draft", help="Drafter model directory."),
+        model: Path = opt.model_option(),
+        draft: Path = opt.draft_option(required=True, help="Drafter to fit the projections for (path or hub id)."),
         out: Path = typer.Option(None, "--out", help="Projection file to write (default: next to the target, named for the drafter)."),
         text: Path = typer.Option(None, "--text", help="Calibration text file (default: the built-in sample, fine for tiny models only)."),
         max_tokens: int = typer.Option(8192, "--tokens", min=512, help="Calibration tokens to use at most."),
-        budget: str = typer.Option("50%", "--budget", "-b", help="Expert cache size while calibrating."),
+        budget: str = opt.budget_option(),
     ):
         """Fit per-layer drafter->target projections for spmoe forecasting (ridge regression)."""
-        from rich.progress import Progress
         from rich.table import Table
 
         from runtime.tune import calibrate as fit
@@ -134,7 +149,7 @@ def register(app: typer.Typer) -> None:
                 corpus = (files("runtime") / "data" / "calibration.txt").read_text()
             else:
                 corpus = text.read_text(encoding="utf-8", errors="replace")
-            with Progress(console=err_console, transient=True) as bar:
+            with progress_bar(console=err_console) as bar:
                 task = bar.add_task("calibrating", total=min(max_tokens, len(om.tokenizer.encode(corpus))))
                 proj, report = fit(om, draft_model, draft_config, corpus, max_tokens=max_tokens,
                                    progress=lambda n: bar.advance(task, n))

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 
 from runtime.cache import parse_budget
+from runtime.cli.options import BUDGET_HELP, DEFAULT_BUDGET, DEFAULT_NUM_DRAFT
 from runtime.cli.plan_render import PROJECTION_NOTE, render_plan
 from runtime.plan import mac_profile
 from runtime.plan import load_model_config, model_costs
@@ -224,17 +225,18 @@ def _write_json(path: Path, results: dict[str, Any]) -> None:
         raise
 
 
-def _opt(flag: str, help_text: str) -> Any:
-    return typer.Option(flag, help=help_text)
+def _opt(*flags_and_help: str) -> Any:
+    *flags, help_text = flags_and_help
+    return typer.Option(*flags, help=help_text)
 
 
 def plan_command(
-    model: Annotated[str, _opt("--model", "Preset (e.g. qwen3.5-35b-a3b) or path to a config.json.")],
+    model: Annotated[str, _opt("--model", "-m", "Preset (e.g. qwen3.5-35b-a3b) or path to a config.json.")],
     mac: Annotated[str, _opt("--mac", "Mac as CHIP-RAMgb: m4-16gb, m1pro-16gb, m3max-48gb.")],
-    budget: Annotated[str, _opt("--budget", "Expert cache: 6GB, 40% (of expert bytes) or auto.")] = "auto",
+    budget: Annotated[str, _opt("--budget", "-b", BUDGET_HELP)] = DEFAULT_BUDGET,
     bits: Annotated[int, _opt("--bits", "Weight bits (mlx affine); 16 = unquantized.")] = 4,
     group_size: Annotated[int, _opt("--group-size", "Quantization group size.")] = 64,
-    top_k: Annotated[Optional[int], _opt("--top-k", "Experts per token (default: the model's).")] = None,
+    top_k: Annotated[Optional[int], _opt("--experts-per-tok", "Experts per token (default: the model's).")] = None,
     context: Annotated[int, _opt("--context", "Context length in tokens for the KV bytes.")] = 4096,
     ssd_gb: Annotated[Optional[int], _opt("--ssd-gb", "Internal SSD size in GB (256 GB reads slower).")] = None,
     wired_limit_mb: Annotated[Optional[int], _opt("--wired-limit-mb", "As `sysctl iogpu.wired_limit_mb`.")] = None,
@@ -242,7 +244,7 @@ def plan_command(
     hit_rate: Annotated[Optional[float], _opt("--hit-rate", "Expert-cache hit rate (default: prior).")] = None,
     page_cache: Annotated[bool, _opt("--page-cache/--no-page-cache", "Leftover RAM as a page-cache tier.")] = False,
     target_tok_s: Annotated[float, _opt("--target-tok-s", "Speed to solve the needed hit rate for.")] = 10.0,
-    draft_len: Annotated[int, _opt("--draft-len", "Drafted tokens per speculative round (K).")] = 3,
+    draft_len: Annotated[int, _opt("--num-draft", "-k", "Drafted tokens per speculative round (K).")] = DEFAULT_NUM_DRAFT,
     acceptance: Annotated[float, _opt("--acceptance", "Per-token draft acceptance rate.")] = 0.75,
     drafter_gb: Annotated[float, _opt("--drafter-gb", "Drafter weights in GB.")] = 0.3,
     overlap_scale: Annotated[float, _opt("--overlap-scale", "Measured/uniform unique experts.")] = 1.0,
@@ -262,7 +264,7 @@ def plan_command(
         Optional[Path], _opt("--from-doctor", "Use what `specmoe doctor --json` measured on the Mac.")
     ] = None,
     prompt_tokens: Annotated[int, _opt("--prompt-tokens", "Prompt length for the time to first token.")] = 1000,
-    json_path: Annotated[Optional[Path], _opt("--json", "Also write the results as JSON to PATH.")] = None,
+    json_path: Annotated[Optional[Path], _opt("--json", "Also write the results as JSON to this path.")] = None,
 ) -> None:
     """Will MODEL fit on MAC, and how fast would it decode? (memory breakdown + projected tok/s)"""
     try:

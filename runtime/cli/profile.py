@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from runtime.observe import console, err_console, write_json
+from runtime.cli import options as opt
+from runtime.observe import console, err_console, progress_bar, write_json
 
 
 def _tables(report: dict, telemetry_totals: dict | None, spec: dict) -> None:
@@ -45,24 +46,25 @@ def _tables(report: dict, telemetry_totals: dict | None, spec: dict) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     def profile(
-        model: Path = typer.Option(None, "--model", "-m", help="Model to run (omit with --trace FILE to analyse a saved trace)."),
+        model: Path = opt.model_option(required=False, help="Model to run, path or hub id (omit with --trace FILE to "
+                                                            "analyse a saved trace)."),
         prompts: Path = typer.Option(None, "--prompts", help="Text file, one prompt per line."),
         trace: Path = typer.Option(None, "--trace", help="With --model: save the routing trace here. Alone: analyse this trace."),
-        draft: Path = typer.Option(None, "--draft", help="Drafter: profile speculative decoding (verify windows)."),
-        num_draft: int = typer.Option(4, "--num-draft", "-k", min=1, help="K; windows of K+1 tokens are reported."),
+        draft: Path = opt.draft_option(help="Drafter: profile speculative decoding (verify windows)."),
+        num_draft: int = opt.num_draft_option(opt.DEFAULT_NUM_DRAFT, "K; windows of K+1 tokens are reported."),
         predictor: str = typer.Option("spmoe", "--predictor", help="Forecaster when --draft is given."),
         max_tokens: int = typer.Option(0, "--max-tokens", "-n", min=0, help="Tokens to generate per prompt; 0 reads the prompts only (teacher-forced)."),
-        budget: str = typer.Option("50%", "--budget", "-b", help="Expert cache size."),
-        json_path: Path = typer.Option(None, "--json", help="Write the report as JSON."),
+        budget: str = opt.budget_option(),
+        json_path: Path = opt.json_option("Write the report as JSON."),
         plot: Path = typer.Option(None, "--plot", help="Write a PNG: overlap vs distance, unique experts vs window."),
     ):
         """Report unique experts per layer per window, overlap vs baselines, hit rates and bytes read."""
-        from rich.progress import Progress
-
         from runtime.decode import OffloadConfig, OffloadedModel
         from runtime.observe import analyse, read_prompts, run_workload, trace_of
         from runtime.observe import RoutingTrace
 
+        if num_draft < 1:
+            raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
         if plot is not None:
             from runtime.observe import pyplot
 
@@ -78,7 +80,7 @@ def register(app: typer.Typer) -> None:
             texts = read_prompts(prompts)
             om = OffloadedModel.load(model, OffloadConfig(budget=budget, trace=True))
             try:
-                with Progress(console=err_console, transient=True) as bar:
+                with progress_bar(console=err_console) as bar:
                     task = bar.add_task("profiling", total=len(texts))
                     spec = run_workload(om, texts, max_tokens=max_tokens, draft=draft, num_draft=num_draft,
                                         predictor=predictor, progress=lambda n: bar.advance(task, n))

@@ -7,10 +7,14 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from runtime.observe import console, err_console, write_json
+from runtime.cli import options as opt
+from runtime.observe import console, err_console, progress_bar, write_json
 
 sweep_app = typer.Typer(help="Measure a grid of settings: prefetch cutoff (with a model) or cache policies (from a trace).",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
+
+_PROMPTS_HELP = "Text file of prompts, one per line."
+_IO_HELP = "buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."
 
 
 def _measure_table(rows, title: str) -> Table:
@@ -44,16 +48,21 @@ def _finish(measured, title, json_path, extra=None, interrupted=False):
 
 @sweep_app.command("cutoff")
 def sweep_cutoff(
-    model: Path = typer.Option(..., "--model", "-m"), draft: Path = typer.Option(..., "--draft"),
-    prompts: Path = typer.Option(..., "--prompts", help="One prompt per line."),
-    budget: str = typer.Option("50%", "--budget", "-b"), max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1),
-    num_draft: int = typer.Option(3, "--num-draft", "-k", min=1), predictor: str = typer.Option("spmoe", "--predictor"),
-    policy: str = typer.Option("lru", "--policy"), io_mode: str = typer.Option("buffered", "--io-mode"),
-    json_path: Path = typer.Option(None, "--json"), plot: Path = typer.Option(None, "--plot"),
+    model: Path = opt.model_option(),
+    draft: Path = opt.draft_option(required=True, help="Drafter (path or hub id)."),
+    prompts: Path = typer.Option(..., "--prompts", help=_PROMPTS_HELP),
+    budget: str = opt.budget_option(),
+    max_tokens: int = opt.max_tokens_option(32, "Tokens to generate per prompt for each setting."),
+    num_draft: int = opt.num_draft_option(opt.DEFAULT_NUM_DRAFT, "Tokens the drafter proposes per round (K)."),
+    predictor: str = typer.Option("spmoe", "--predictor", help="Expert forecaster: none, previous, popularity, spmoe, oracle."),
+    policy: str = typer.Option("lru", "--policy", help="Cache eviction policy: lru or lfu."),
+    io_mode: str = typer.Option("buffered", "--io-mode", help=_IO_HELP),
+    json_path: Path = opt.json_option(),
+    plot: Path = typer.Option(None, "--plot", help="Write a PNG of tok/s against the cutoff."),
 ):
     """tok/s, misses, prefetch MB and recall for cutoffs L = 0 (off) .. all MoE layers; coarse grid, then refined."""
-    from rich.progress import Progress
-
+    if num_draft < 1:
+        raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
     from runtime.observe import read_prompts
     from runtime.tune import SettingRunner, Workload
     from runtime.tune import Setting, choose, cutoff_grid, refine
@@ -67,7 +76,7 @@ def sweep_cutoff(
     measured: list = []
     title = f"cutoff sweep: {model.name}, drafter {draft.name}, budget {budget}, K={num_draft}, {predictor}"
     try:
-        with Progress(console=err_console, transient=True) as bar:
+        with progress_bar(console=err_console) as bar:
             coarse = [Setting(c, predictor, num_draft, policy) for c in cutoff_grid(n, n)]
             task = bar.add_task("sweep", total=len(coarse))
             _run_grid(runner, coarse, measured, bar, task)
@@ -99,8 +108,10 @@ def sweep_cache(
     window: int = typer.Option(1, "--window", min=1, help="Tokens per call: 1 = plain decode, K+1 = verify windows."),
     sizes: str = typer.Option("10,20,30,40,50,60,70,80,90", "--sizes", help="Cache sizes, % of a layer's experts."),
     policies: str = typer.Option("lru,lfu,forecast", "--policies", help="lru, lfu, forecast (LRU + simulated forecast protection)."),
-    forecast_recall: float = typer.Option(0.9, "--forecast-recall", min=0.0, max=1.0),
-    json_path: Path = typer.Option(None, "--json"), plot: Path = typer.Option(None, "--plot"),
+    forecast_recall: float = typer.Option(0.9, "--forecast-recall", min=0.0, max=1.0,
+                                          help="forecast policy: share of the next window's experts it foresees."),
+    json_path: Path = opt.json_option(),
+    plot: Path = typer.Option(None, "--plot", help="Write a PNG of hit rate against cache size."),
 ):
     """Replay a trace through every cache policy and size, against Belady's MIN; equal vs miss-curve slot split."""
     from runtime.tune import cache_sweep
@@ -150,11 +161,14 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def tune(
-        model: Path = typer.Option(..., "--model", "-m"), draft: Path = typer.Option(..., "--draft"),
-        prompts: Path = typer.Option(..., "--prompts", help="One prompt per line."),
-        budget: str = typer.Option("50%", "--budget", "-b"), max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1),
-        io_mode: str = typer.Option("buffered", "--io-mode"), threads: int = typer.Option(4, "--threads", min=1),
-        json_path: Path = typer.Option(None, "--json"),
+        model: Path = opt.model_option(),
+        draft: Path = opt.draft_option(required=True, help="Drafter to tune for (path or hub id)."),
+        prompts: Path = typer.Option(..., "--prompts", help=_PROMPTS_HELP),
+        budget: str = opt.budget_option(),
+        max_tokens: int = opt.max_tokens_option(32, "Tokens to generate per prompt for each setting."),
+        io_mode: str = typer.Option("buffered", "--io-mode", help=_IO_HELP),
+        threads: int = typer.Option(4, "--threads", min=1, help="Loader I/O threads."),
+        json_path: Path = opt.json_option("Also write every measurement and the choice as JSON to this path."),
     ):
         """Pick cutoff, predictor, K and cache policy by measurement; write tuning.json next to the model."""
         from runtime.tune import run_tune

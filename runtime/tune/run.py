@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from rich.progress import Progress
-
 from predictor.projection import config_digest
 from runtime.observe import read_prompts
-from runtime.observe import console, err_console, write_json
+from runtime.observe import console, err_console, progress_bar, write_json
 from runtime.observe import uniform_unique_experts
 from runtime.tune.measure import SettingRunner, Workload
 from runtime.tune.tuner import (
@@ -31,7 +29,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
     runner = SettingRunner(Workload(model, draft, budget, read_prompts(prompts), max_tokens, io_mode, threads))
     n, k = runner.n_moe_layers, runner.top_k
     measured = []
-    with Progress(console=err_console, transient=True) as bar:
+    with progress_bar(console=err_console) as bar:
         task = bar.add_task("tuning", total=None)
 
         def run(s: Setting):

@@ -9,7 +9,8 @@ from pathlib import Path
 from predictor.projection import config_digest
 from runtime.tune.tuner import load_tuning, tuning_key
 
-DEFAULTS = {"num_draft": 4, "predictor": "spmoe", "cutoff": None, "policy": "lru"}
+DEFAULTS = {"num_draft": 3,  # = runtime.cli.options.DEFAULT_NUM_DRAFT (mlx-lm's --num-draft-tokens default)
+             "predictor": "spmoe", "cutoff": None, "policy": "lru"}
 
 
 def _config(path: Path) -> dict:

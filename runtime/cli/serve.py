@@ -1,0 +1,62 @@
+"""`specmoe serve`: an OpenAI-compatible HTTP server for one offloaded model (runtime/serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from runtime.checkpoints import resolve_model
+from runtime.cli import options as opt
+from runtime.cli.engine_options import load_engine
+from runtime.observe import err_console
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        model: str = opt.model_option(resolve=False),
+        draft: Path = opt.draft_option(),
+        budget: str = opt.budget_option(),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the "
+                                                             "network (it has no authentication)."),
+        port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
+        max_tokens: int = opt.max_tokens_option(help="max_tokens for requests that give none."),
+        temp: float = opt.temp_option(),
+        top_p: float = opt.top_p_option(),
+        top_k: int = opt.top_k_option(),
+        min_p: float = opt.min_p_option(),
+        num_draft: int = opt.num_draft_option(),
+        predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch (default: tuned, "
+                                                                "else spmoe)."),
+        cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (default: tuned, "
+                                                          "else all)."),
+        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, "
+                                                          "else lru)."),
+        max_prompt_tokens: int = typer.Option(None, "--max-prompt-tokens", min=1,
+                                              help="Refuse longer prompts with HTTP 400 (default: the model's "
+                                                   "context length)."),
+        one_sync: str = typer.Option("auto", "--one-sync", help="One-host-sync decode steps: auto, on or off."),
+        io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct "
+                                                                  "(O_DIRECT/F_NOCACHE)."),
+        threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
+        governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
+                                      help="Shrink the expert cache while available RAM is low; grow it back after."),
+        log_level: str = typer.Option("warning", "--log-level",
+                                      help="uvicorn log level: critical, error, warning, info (logs each request), "
+                                           "debug."),
+    ):
+        """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
+        from runtime.serve import SamplingDefaults, ServeConfig, run_server
+
+        if one_sync not in ("auto", "on", "off"):
+            raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
+        if log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(f"--log-level {log_level!r}; expected critical, error, warning, info or debug")
+        path = resolve_model(model)
+        engine = load_engine(path, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
+                             cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor)
+        defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+        config = ServeConfig(model_ref=model, model_path=path, host=host, port=port, defaults=defaults,
+                             max_prompt_tokens=max_prompt_tokens, one_sync=one_sync, log_level=log_level)
+        run_server(engine, config, log=lambda line: err_console.print(line, highlight=False, markup=False))

@@ -1,0 +1,26 @@
+"""runtime.serve: an OpenAI-compatible HTTP server (`specmoe serve`), in mlx_lm.server's shape.
+
+Owns: request validation (`validation`), the one-at-a-time generation queue (`queue`), stop
+strings (`stops`), OpenAI response objects and SSE framing (`sse`), the Starlette routes (`app`),
+the engine adapter shared with `specmoe chat` (`backend`), a chat conversation (`chat_session`)
+and server start-up (`server`).
+
+Invariants kept at this boundary: HTTP is parsed by Starlette/uvicorn, never by hand; client
+errors are 4xx JSON naming the problem and the server keeps serving; the model is used by one
+thread, one request at a time; a disconnected client's generation is cancelled.
+"""
+
+from runtime.serve.app import ServerState, build_app
+from runtime.serve.backend import Backend
+from runtime.serve.chat_session import ChatSession
+from runtime.serve.queue import GenerationQueue, Job, JobEvent
+from runtime.serve.server import ServeConfig, context_limit, run_server
+from runtime.serve.sse import SSE_DONE, ResponseFormat, sse, usage
+from runtime.serve.stops import StopMatcher
+from runtime.serve.validation import CompletionRequest, RequestError, SamplingDefaults, parse_completion, parse_json
+
+__all__ = [
+    "ServerState", "build_app", "Backend", "ChatSession", "GenerationQueue", "Job", "JobEvent", "ServeConfig", "context_limit",
+    "run_server", "SSE_DONE", "ResponseFormat", "sse", "usage", "StopMatcher", "CompletionRequest", "RequestError",
+    "SamplingDefaults", "parse_completion", "parse_json",
+]

@@ -1,0 +1,108 @@
+"""What the server and the chat REPL generate with: one loaded engine, its tokenizer and its stats.
+
+`encode` turns a request into prompt ids with mlx-lm's conventions (the tokenizer's chat template
+with the generation prompt; without a template, mlx_lm.server's plain role transcript);
+`stream` yields runtime.api responses; `stats` is what GET /v1/specmoe/stats reports.
+
+Invariants: only the generation worker (or the REPL's one thread) calls `stream`; a chat request
+with one user message encodes to exactly the ids `specmoe generate -p TEXT` uses, so greedy
+output is the same text; the stats are cumulative since the server started.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    def __init__(self, engine, *, one_sync: str = "auto", chat_template_args: dict | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.one_sync = one_sync
+        self.chat_template_args = dict(chat_template_args or {})
+        self.started = time.time()
+        self._lock = threading.Lock()
+        self._totals = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0,
+                        "decode_s": 0.0}
+        self._last = None  # RunStats of the last finished request
+
+    # -- prompts -----------------------------------------------------------------------------
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, **self.chat_template_args))
+        from mlx_lm.server import convert_chat
+
+        return list(tok.encode(convert_chat(messages)))
+
+    def encode_text(self, prompt: str) -> list[int]:
+        tok = self.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        return list(tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+
+    def encode(self, request) -> list[int]:
+        return self.encode_messages(request.messages) if request.kind == "chat" else self.encode_text(request.prompt)
+
+    # -- generation --------------------------------------------------------------------------
+    def stream(self, ids: list[int], request):
+        """runtime.api GenerationResponses for `ids` under the request's sampling settings."""
+        from runtime.api import stream_generate
+
+        t0 = time.perf_counter()
+        last = None
+        try:
+            for last in stream_generate(self.engine, ids, request.max_tokens, temp=request.temperature,
+                                        top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+                                        seed=request.seed, one_sync=self.one_sync):
+                yield last
+        finally:
+            with self._lock:
+                t = self._totals
+                t["requests"] += 1
+                t["prompt_tokens"] += len(ids)
+                t["decode_s"] += time.perf_counter() - t0
+                if last is not None:
+                    t["completion_tokens"] += last.stats.generation_tokens
+                    self._last = last.stats
+
+    # -- observability -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        om = self.engine.model
+        c = om.counters()
+        hits, misses = c["hits"], c["misses"]
+        with self._lock:
+            totals, last = dict(self._totals), self._last
+        out = {
+            "uptime_s": round(time.time() - self.started, 1),
+            "requests": totals,
+            "expert_cache": {"hit_rate": hits / (hits + misses) if hits + misses else None, "hits": hits,
+                             "misses": misses, "evictions": c.get("evictions", 0),
+                             "budget_bytes": om.plan.budget_bytes, "fraction_of_experts": om.plan.fraction},
+            "io": {"bytes_read": c["bytes_read"], "load_wait_ms": round(c["load_wait_ms"], 3),
+                   "prefetch_used": c.get("prefetch_hits", 0),
+                   "prefetch_wasted": c.get("prefetch_wasted", 0) + c.get("prefetch_cancelled", 0)},
+            "speculative": None,
+            "memory": _memory(om),
+            "last_request": None,
+        }
+        if self.engine.draft is not None:
+            d = self.engine.draft
+            out["speculative"] = {"drafter": str(d.path), "num_draft": d.num_draft, "predictor": d.predictor,
+                                  "cutoff": d.cutoff, "acceptance_last_request": getattr(last, "acceptance", None)}
+        if last is not None:
+            out["last_request"] = {k: getattr(last, k) for k in last.__dataclass_fields__}
+        return out
+
+
+def _memory(om) -> dict:
+    import mlx.core as mx
+    import psutil
+
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    return {"rss_bytes": rss, "mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
+            "resident_weight_bytes": om.store.resident_bytes, "expert_cache_bytes": om.plan.budget_bytes,
+            "available_bytes": psutil.virtual_memory().available}

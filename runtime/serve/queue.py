@@ -1,0 +1,141 @@
+"""The generation queue: one worker thread owns the model and decodes one request at a time.
+
+Requests are served first come, first served. Each job streams `JobEvent`s back to the asyncio
+loop of the request that submitted it; text is cut at the request's stop strings here, so a
+stopped generation stops decoding too.
+
+Invariants: the model is only touched by the worker thread; a job whose `cancel` is set (its
+client went away) is skipped if still queued, or stopped before its next token if running, and
+the worker goes on with the next job; every job ends with exactly one event of kind "done" or
+"error"; an exception in one job never stops the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.serve.stops import StopMatcher
+
+__all__ = ["GenerationQueue", "Job", "JobEvent"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobEvent:
+    kind: str  # "text", "done" or "error"
+    text: str = ""
+    finish_reason: str | None = None  # done: "stop" or "length"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None  # done: prompt tokens reused from the prompt cache
+    error: str = ""
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    request: Any  # a CompletionRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+
+    def put(self, event: JobEvent) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the request's loop is gone (server shutting down)
+            self.cancel.set()
+
+
+class GenerationQueue:
+    """`submit` from the event loop; `backend.stream(ids, request)` runs on the worker thread."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.active: Job | None = None
+        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0}
+        self._thread = threading.Thread(target=self._run, name="specmoe-generation", daemon=True)
+        self._thread.start()
+
+    def submit(self, ids: list[int], request) -> Job:
+        job = Job(ids, request, asyncio.get_running_loop())
+        with self._lock:
+            self.counts["submitted"] += 1
+        self._jobs.put(job)
+        return job
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"mode": "one request at a time (queued, first come first served)",
+                    "queued": self._jobs.qsize(), "busy": self.active is not None, **self.counts}
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] += 1
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                self._count("cancelled")
+                job.put(JobEvent("error", error="cancelled"))
+                continue
+            with self._lock:
+                self.active = job
+            try:
+                self._serve(job)
+            except Exception as e:  # one bad job must not stop the server
+                log.exception("generation failed")
+                self._count("failed")
+                job.put(JobEvent("error", error=f"{type(e).__name__}: {e}"))
+            finally:
+                with self._lock:
+                    self.active = None
+
+    def _serve(self, job: Job) -> None:
+        request = job.request
+        stops = StopMatcher(request.stop)
+        n, finish, cached = 0, "length", None
+        run = self.backend.stream(job.ids, request)
+        try:
+            for response in run:
+                if job.cancel.is_set():
+                    break
+                n += 1
+                cached = getattr(response, "cached_tokens", cached)
+                text = stops.feed(response.text)
+                if text:
+                    job.put(JobEvent("text", text=text))
+                if stops.stopped:
+                    finish = "stop"
+                    break
+                if response.finish_reason is not None:
+                    finish = response.finish_reason
+                    break
+        finally:
+            run.close()  # ends the backend's stream (drafter taps removed, caches kept consistent)
+        if job.cancel.is_set():
+            self._count("cancelled")
+            job.put(JobEvent("error", error="cancelled"))
+            return
+        tail = stops.flush()
+        if tail:
+            job.put(JobEvent("text", text=tail))
+        self._count("completed")
+        job.put(JobEvent("done", finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n,
+                         cached_tokens=cached))
