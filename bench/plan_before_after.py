@@ -42,12 +42,14 @@ def main() -> dict:
         before = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v1"))
         after = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v2"))
         fast = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v2", fast_synch=True))
-        record["models"][model] = {"v1": before, "v2": after, "v2_fast_synch": fast}
+        no_repair = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v2", repairs_per_token=0.0))
+        record["models"][model] = {"v1": before, "v2": after, "v2_fast_synch": fast, "v2_no_repairs": no_repair}
         for key in before:
-            rows.append((model, key, before[key], after[key], fast[key]))
-    print(f"{'model':16s} {'term':20s} {'v1 (before)':>12s} {'v2 (after)':>12s} {'v2 fast-synch':>14s}")
-    for model, key, a, b, c in rows:
-        print(f"{model:16s} {key:20s} {str(a):>12s} {str(b):>12s} {str(c):>14s}")
+            rows.append((model, key, before[key], after[key], fast[key], no_repair[key]))
+    print(f"{'model':16s} {'term':20s} {'v1 (before)':>12s} {'v2 (after)':>12s} {'v2 fast-synch':>14s} "
+          f"{'v2 0 repairs':>13s}")
+    for model, key, a, b, c, d in rows:
+        print(f"{model:16s} {key:20s} {str(a):>12s} {str(b):>12s} {str(c):>14s} {str(d):>13s}")
     print("every figure is a projection of the planner's cost model (specmoe plan --mac m4-16gb), not a measurement")
     print(json.dumps(record))
     return record

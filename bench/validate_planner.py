@@ -9,8 +9,9 @@ dispatch and small-kernel time the byte roofline misses).
 
 Three ways to fit, each judged leave-one-out (every row projected with constants fitted on the OTHER
 rows, least absolute log error): A, one layer_us for all engines; B, A plus a fitted price for
-per-layer waits; C, one layer_us per sync style (every layer vs once per forward). The planner's
-DEFAULT_LAYER_US is C's once-per-forward value (specmoe's style). The table also shows v1 (one fitted
+per-layer waits; C, one layer_us per sync style (every layer vs once per forward); D, one layer_us
+scaled per chip by its GPU TFLOPS. The planner's DEFAULT_LAYER_US is the fit with the lowest median
+leave-one-out error over all rows (A). The table also shows v1 (one fitted
 1.342 ms per layer of "sync", fitted on row m1pro-35b-k8). Rows and engine kinds: bench/planner_rows.py.
 
 Prints a fixed-width table (or --markdown), the medians, then one JSON line.
@@ -141,6 +142,30 @@ def sync_style(row: Row) -> str:
     return "per-layer" if ENGINES[row.engine].syncs_per_layer else "per-forward"
 
 
+REFERENCE_TFLOPS = 3.76  # the M4's GPU [HMC]: model D's layer time is quoted for it
+
+
+def tflops_scale(row: Row) -> float:
+    """Model D: a row's layer time is layer_us x (M4 TFLOPS / its chip's TFLOPS)."""
+    return REFERENCE_TFLOPS / _inputs(row)[1].gpu_tflops
+
+
+def fit_scaled(rows) -> float:
+    """Model D's one constant (layer_us on an M4), least absolute log error."""
+    from runtime.plan.engine_costs import MLX_DEFAULT_FENCE_US
+
+    def loss(layer_us: float) -> float:
+        total = 0.0
+        for row in rows:
+            c0, c1, c2 = _coefficients(row)
+            ms = c0 + c1 * layer_us * tflops_scale(row) + c2 * MLX_DEFAULT_FENCE_US
+            total += abs(math.log(1000.0 / ms / row.published_tok_s))
+        return total
+
+    best = min((10.0 * i for i in range(0, 301)), key=loss)
+    return min((best + 0.5 * i for i in range(-20, 21) if best + 0.5 * i >= 0), key=loss)
+
+
 def fit_by_style(rows) -> dict[str, float]:
     """Model C: one layer_us per sync style (two constants, each fitted on its own rows)."""
     return {style: fit([r for r in rows if sync_style(r) == style], "A")[0] for style in ("per-layer", "per-forward")}
@@ -175,8 +200,14 @@ def validate() -> dict:
             "source": row.source, "differences": row.differences, "note": row.note,
         }
         fits_c = fit_by_style(others)
-        for name in ("A", "B", "C"):
-            layer_us, wait_us = fit(others, name) if name != "C" else (fits_c[sync_style(row)], None)
+        fit_d = fit_scaled(others)
+        for name in ("A", "B", "C", "D"):
+            if name == "C":
+                layer_us, wait_us = fits_c[sync_style(row)], None
+            elif name == "D":
+                layer_us, wait_us = fit_d * tflops_scale(row), None
+            else:
+                layer_us, wait_us = fit(others, name)
             tok_s = project_row(row, v2_constants(row, layer_us, wait_us))[0]
             result[f"loo_{name}"] = {"layer_us": round(layer_us, 1),
                                      "wait_us": round(wait_us if wait_us is not None else MLX_DEFAULT_FENCE_US, 1),
@@ -190,6 +221,7 @@ def validate() -> dict:
             "fit_A_all_rows": {"layer_us": round(fits["A"][0], 1), "wait_us": MLX_DEFAULT_FENCE_US},
             "fit_B_all_rows": {"layer_us": round(fits["B"][0], 1), "wait_us": round(fits["B"][1], 1)},
             "fit_C_all_rows": {style: round(value, 1) for style, value in fit_by_style(ROWS).items()},
+            "fit_D_all_rows": {"layer_us_on_m4": round(fit_scaled(ROWS), 1)},
             "v1_sync_ms_per_layer": DEFAULT_SYNC_MS_PER_LAYER, "n_rows": len(results), "summary": summary,
             "rows": results}
 
@@ -200,33 +232,35 @@ def _medians(results: list[dict]) -> dict:
             "median_abs_loo_A_error_pct": round(med(abs(r["loo_A"]["error_pct"]) for r in results), 1),
             "median_abs_loo_B_error_pct": round(med(abs(r["loo_B"]["error_pct"]) for r in results), 1),
             "median_abs_loo_C_error_pct": round(med(abs(r["loo_C"]["error_pct"]) for r in results), 1),
+            "median_abs_loo_D_error_pct": round(med(abs(r["loo_D"]["error_pct"]) for r in results), 1),
             "median_abs_v1_error_pct": round(med(abs(r["v1_error_pct"]) for r in results), 1)}
 
 
 def render(record: dict, markdown: bool) -> str:
     lines = []
     header = ("row", "engine", "Mac", "model", "K", "hit", "published", "v1", "v1 err", "A (LOO)", "A err",
-              "B (LOO)", "B err", "C (LOO)", "C err")
+              "B (LOO)", "B err", "C (LOO)", "C err", "D (LOO)", "D err")
     if markdown:
         lines.append("| " + " | ".join(header) + " | source | engine differences | assumptions |")
         lines.append("|" + "---|" * (len(header) + 3))
     else:
         lines.append(f"{'row':18s} {'engine':26s} {'Mac':11s} {'K':>2s} {'hit':>10s} {'published':>9s} "
                      f"{'v1':>6s} {'v1 err':>7s} {'A LOO':>6s} {'A err':>6s} {'B LOO':>6s} {'B err':>6s} "
-                     f"{'C LOO':>6s} {'C err':>6s}  source")
+                     f"{'C LOO':>6s} {'C err':>6s} {'D LOO':>6s} {'D err':>6s}  source")
     for r in record["rows"]:
         k_text = str(r["top_k"]) if r["top_k"] else "-"
-        a, b, c = r["loo_A"], r["loo_B"], r["loo_C"]
+        a, b, c, d = r["loo_A"], r["loo_B"], r["loo_C"], r["loo_D"]
         cells = (r["row"], r["engine"], r["mac"], r["model"], k_text, f"{r['hit_rate']:.2f} {r['hit_source']}",
                  f"{r['published_tok_s']:.2f}", f"{r['v1_tok_s']:.2f}", f"{r['v1_error_pct']:+.0f}%",
                  f"{a['tok_s']:.2f}", f"{a['error_pct']:+.0f}%", f"{b['tok_s']:.2f}", f"{b['error_pct']:+.0f}%",
-                 f"{c['tok_s']:.2f}", f"{c['error_pct']:+.0f}%")
+                 f"{c['tok_s']:.2f}", f"{c['error_pct']:+.0f}%", f"{d['tok_s']:.2f}", f"{d['error_pct']:+.0f}%")
         if markdown:
             lines.append("| " + " | ".join(cells) + f" | {r['source']} | {r['differences']} | {r['note']} |")
         else:
             lines.append(f"{cells[0]:18s} {cells[1]:26s} {cells[2]:11s} {cells[4]:>2s} {cells[5]:>10s} "
                          f"{cells[6]:>9s} {cells[7]:>6s} {cells[8]:>7s} {cells[9]:>6s} {cells[10]:>6s} "
-                         f"{cells[11]:>6s} {cells[12]:>6s} {cells[13]:>6s} {cells[14]:>6s}  {r['source']}")
+                         f"{cells[11]:>6s} {cells[12]:>6s} {cells[13]:>6s} {cells[14]:>6s} {cells[15]:>6s} "
+                         f"{cells[16]:>6s}  {r['source']}")
     fa, fb = record["fit_A_all_rows"], record["fit_B_all_rows"]
     lines += [
         "",
@@ -236,12 +270,15 @@ def render(record: dict, markdown: bool) -> str:
         f"sync every layer = {fb['wait_us']:.0f} us (once-per-forward syncs stay 180 us)",
         "v2 model C (2 fitted constants): layer_us per sync style, " + ", ".join(
             f"{style} {value:.0f} us" for style, value in record["fit_C_all_rows"].items()),
+        f"v2 model D (1 fitted constant): layer_us = {record['fit_D_all_rows']['layer_us_on_m4']:.0f} us on an M4, "
+        "scaled by M4 TFLOPS / the chip's TFLOPS",
         "LOO = each row projected with constants fitted on the other rows (least absolute log error)",
         f"v1: sync_ms_per_layer = {record['v1_sync_ms_per_layer']} ms fitted on m1pro-35b-k8 only (in-sample there)",
     ]
     for group, stats in record["summary"].items():
         lines.append(f"median |error|, {group} ({stats['n_rows']} rows): A {stats['median_abs_loo_A_error_pct']}%, "
-                     f"B {stats['median_abs_loo_B_error_pct']}%, C {stats['median_abs_loo_C_error_pct']}% (leave-one-out); v1 {stats['median_abs_v1_error_pct']}%")
+                     f"B {stats['median_abs_loo_B_error_pct']}%, C {stats['median_abs_loo_C_error_pct']}%, "
+                     f"D {stats['median_abs_loo_D_error_pct']}% (leave-one-out); v1 {stats['median_abs_v1_error_pct']}%")
     lines.append("all 'projected' figures are projections of the cost model, not measurements")
     return "\n".join(lines)
 

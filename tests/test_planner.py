@@ -219,7 +219,7 @@ def test_bench_fit_matches_the_planner_default():
     finally:
         sys.modules.pop(spec.name, None)
     assert bench.fit_sync_ms(bench.ROWS) == pytest.approx(DEFAULT_SYNC_MS_PER_LAYER, abs=0.002)
-    assert bench.fit_by_style(bench.ROWS)["per-forward"] == pytest.approx(DEFAULT_LAYER_US, abs=1.0)
+    assert bench.fit_layer_us(bench.ROWS) == pytest.approx(DEFAULT_LAYER_US, abs=1.0)
 
 
 # --- CLI -------------------------------------------------------------------------------------

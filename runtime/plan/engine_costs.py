@@ -30,10 +30,10 @@ __all__ = [
 MLX_DEFAULT_FENCE_US = 180.0  # mlx issue 4438: one CPU<->GPU crossing with the default fence
 MLX_FAST_SYNCH_US = 4.0  # mlx issue 4438: the same crossing with MLX_METAL_FAST_SYNCH=1
 COMMAND_BUFFER_US = 20.0  # mlx issue 4521: GPU time per command-buffer boundary
-# Fitted by bench/validate_planner.py (model C: the engines that sync once per forward, as specmoe does
-# after the hot-path work; 3 published rows, leave-one-out median error 48%); re-run the bench and
-# paste its fit_C_all_rows["per-forward"] value here when the rows or the model change.
-DEFAULT_LAYER_US = 305.5
+# Fitted by bench/validate_planner.py: model A, one constant for every engine, the fit with the lowest
+# median leave-one-out error over all 27 published rows (34.6%); re-run the bench and paste its
+# fit_A_all_rows["layer_us"] value here when the rows or the model change.
+DEFAULT_LAYER_US = 693.0
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def specmoe_engine(*, fast_synch: bool = False, repairs_per_token: float | None 
         f"sync price {'fast-synch' if fast_synch else 'default fence'} from mlx issue 4438, not measured here "
         "(run `specmoe doctor` on the Mac and pass --from-doctor)",
         "command buffers: 2 per MoE layer (MLX's op/MB limits per buffer; not counted on a Mac)",
-        f"layer time {layer_us:.0f} us per MoE layer: fitted to 3 published one-graph-per-token runs "
-        "(leave-one-out median error 48%; docs/planner.md)",
+        f"layer time {layer_us:.0f} us per MoE layer: fitted to 27 published runs of five engine kinds "
+        "(leave-one-out median error 35%, 28% for one-graph engines; docs/planner.md)",
         "repair re-runs half a forward (first missing layer uniform over depth)",
     ]
     if repairs_per_token is None:
