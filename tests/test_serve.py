@@ -167,6 +167,26 @@ def test_disconnect_mid_stream_cancels_and_the_server_keeps_serving(server, clie
     assert r.choices[0].message.content == reference[PROMPTS[1]]
 
 
+def test_disconnect_while_waiting_for_a_non_streaming_answer_cancels_it(server, client, reference):
+    before = _cancelled(server)
+    port = int(server.rsplit(":", 1)[1])
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2000}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 60
+        while not get_json(server + "/health")[1]["queue"]["busy"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # generating
+    deadline = time.monotonic() + 60
+    while _cancelled(server) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _cancelled(server) == before + 1
+    assert get_json(server + "/v1/specmoe/stats")[1]["last_request"]["generation_tokens"] < 2000
+    r = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == reference[PROMPTS[0]]
+
+
 @pytest.mark.parametrize("kwargs, status, needle", [
     (dict(model="gpt-4"), 404, "model 'gpt-4' is not served"),
     (dict(temperature=-1), 400, "'temperature' must be >= 0"),
