@@ -84,3 +84,27 @@ def test_sse_chunks_have_openai_shapes():
     assert event.startswith("data: ") and event.endswith("\n\n") and "\n" not in event[:-2]
     assert json.loads(event[6:])["choices"][0]["delta"] == {"content": "hi"}
     assert ResponseFormat("text", "m").complete("x", "stop", {})["object"] == "text_completion"
+
+
+class _FakeCache:
+    def __init__(self):
+        self.tokens, self.resets = [], 0
+
+    def reset(self):
+        self.tokens, self.resets = [], self.resets + 1
+
+
+def test_prompt_cache_pool_picks_the_longest_shared_prefix_and_evicts_the_lru():
+    from runtime.serve.prompt_pool import PromptCachePool
+
+    pool = PromptCachePool(_FakeCache, size=2)
+    a = pool.take([1, 2, 3])
+    a.tokens = [1, 2, 3, 9]
+    b = pool.take([5, 6])
+    b.tokens = [5, 6, 7]
+    assert b is not a and pool.take([1, 2, 3, 9, 4]) is a  # conversation A continues in A's cache
+    assert pool.take([5, 6, 7, 8]) is b
+    c = pool.take([42])  # a third conversation: the least recently used (A) is reset and reused
+    assert c is a and a.resets == 1 and a.tokens == [] and len(pool.entries) == 2
+    with pytest.raises(ValueError, match="--prompt-cache-size 0"):
+        PromptCachePool(_FakeCache, size=0)

@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
                              cutoff=cutoff, policy=policy, governor=governor)
         try:
             sampling = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-            session = ChatSession(Backend(engine, one_sync=one_sync), sampling, system_prompt)
+            session = ChatSession(Backend(engine, one_sync=one_sync, prompt_cache_size=1), sampling, system_prompt)
             run_repl(session, iter(sys.stdin.readline, ""), sys.stdout)
         finally:
             engine.close()

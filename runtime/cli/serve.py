@@ -36,6 +36,9 @@ def register(app: typer.Typer) -> None:
         max_prompt_tokens: int = typer.Option(None, "--max-prompt-tokens", min=1,
                                               help="Refuse longer prompts with HTTP 400 (default: the model's "
                                                    "context length)."),
+        prompt_cache_size: int = typer.Option(2, "--prompt-cache-size", min=1,
+                                              help="Conversations whose KV cache is kept for reuse (plain "
+                                                   "decoding; each holds its context's KV)."),
         one_sync: str = typer.Option("auto", "--one-sync", help="One-host-sync decode steps: auto, on or off."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct "
                                                                   "(O_DIRECT/F_NOCACHE)."),
@@ -58,5 +61,6 @@ def register(app: typer.Typer) -> None:
                              cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor)
         defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         config = ServeConfig(model_ref=model, model_path=path, host=host, port=port, defaults=defaults,
-                             max_prompt_tokens=max_prompt_tokens, one_sync=one_sync, log_level=log_level)
+                             max_prompt_tokens=max_prompt_tokens, one_sync=one_sync, log_level=log_level,
+                             prompt_cache_size=prompt_cache_size)
         run_server(engine, config, log=lambda line: err_console.print(line, highlight=False, markup=False))

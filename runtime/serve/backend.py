@@ -15,12 +15,27 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 
-__all__ = ["Backend"]
+from runtime.serve.prompt_pool import PromptCachePool
+
+__all__ = ["Backend", "Piece"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One emitted token as the server and the REPL see it."""
+
+    text: str  # decoded text segment (may be empty)
+    token: int
+    finish_reason: str | None  # "stop", "length" or None
+    stats: object  # runtime.api RunStats: the run so far
+    cached_tokens: int | None  # prompt tokens taken from the prompt cache (None: no prompt cache)
 
 
 class Backend:
-    def __init__(self, engine, *, one_sync: str = "auto", chat_template_args: dict | None = None):
+    def __init__(self, engine, *, one_sync: str = "auto", chat_template_args: dict | None = None,
+                 prompt_cache_size: int = 2):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.one_sync = one_sync
@@ -32,6 +47,7 @@ class Backend:
         self._syncs = {"forwards": 0, "one_sync_forwards": 0, "estimated": 0, "tokens": 0}
         self._spec = {"drafted": 0, "accepted": 0, "rounds": 0}
         self._last = None  # RunStats of the last finished request
+        self.pool = _prompt_pool(engine, prompt_cache_size)  # None: speculative (no prompt cache yet)
 
     # -- prompts -----------------------------------------------------------------------------
     def encode_messages(self, messages: list[dict]) -> list[int]:
@@ -51,22 +67,33 @@ class Backend:
         return self.encode_messages(request.messages) if request.kind == "chat" else self.encode_text(request.prompt)
 
     # -- generation --------------------------------------------------------------------------
+    def reset_prompt_cache(self) -> None:
+        if self.pool is not None:
+            self.pool.clear()
+
     def stream(self, ids: list[int], request):
-        """runtime.api GenerationResponses for `ids` under the request's sampling settings."""
+        """Pieces for `ids` under the request's sampling settings (runtime.api.stream_generate), the
+        conversation's KV taken from the prompt cache pool when decoding plainly."""
         from runtime.api import stream_generate
 
         t0 = time.perf_counter()
-        last = None
+        last, cached = None, None
+        extra = {}
+        if self.pool is not None:
+            extra["prompt_cache"] = cache = self.pool.take(ids)
         try:
             for last in stream_generate(self.engine, ids, request.max_tokens, temp=request.temperature,
                                         top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
-                                        seed=request.seed, one_sync=self.one_sync):
-                yield last
+                                        seed=request.seed, one_sync=self.one_sync, **extra):
+                if extra and cached is None:
+                    cached = cache.reused  # set by the prefill, before the first token
+                yield Piece(last.text, last.token, last.finish_reason, last.stats, cached)
         finally:
             with self._lock:
                 t = self._totals
                 t["requests"] += 1
                 t["prompt_tokens"] += len(ids)
+                t["cached_prompt_tokens"] += cached or 0
                 t["decode_s"] += time.perf_counter() - t0
                 if last is not None:
                     t["completion_tokens"] += last.stats.generation_tokens
@@ -128,6 +155,18 @@ class Backend:
         if last is not None:
             out["last_request"] = {k: getattr(last, k) for k in last.__dataclass_fields__}
         return out
+
+
+def _prompt_pool(engine, size: int):
+    """A PromptCachePool for plain decoding, when runtime.api takes a prompt cache; else None."""
+    import inspect
+
+    from runtime import api, decode
+
+    if engine.draft is not None or "prompt_cache" not in inspect.signature(api.stream_generate).parameters:
+        return None
+    om = engine.model
+    return PromptCachePool(lambda: decode.PromptCache(om.model), size)
 
 
 def _memory(om) -> dict:

@@ -35,6 +35,7 @@ class ChatSession:
     def reset(self) -> None:
         self.history.clear()
         self.turns = 0
+        self.backend.reset_prompt_cache()
 
     def say(self, text: str) -> Iterator[str]:
         """Stream the reply to `text` as text segments; the history gets both turns."""

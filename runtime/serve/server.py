@@ -29,6 +29,7 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # None: the model's context length
     one_sync: str = "auto"
     log_level: str = "warning"
+    prompt_cache_size: int = 2  # conversations whose KV is kept (plain decoding)
 
 
 def context_limit(config: dict) -> int:
@@ -43,7 +44,7 @@ def context_limit(config: dict) -> int:
 def run_server(engine, config: ServeConfig, log=print) -> None:
     import uvicorn
 
-    backend = Backend(engine, one_sync=config.one_sync)
+    backend = Backend(engine, one_sync=config.one_sync, prompt_cache_size=config.prompt_cache_size)
     gen_queue = GenerationQueue(backend)
     limit = config.max_prompt_tokens or context_limit(engine.model.config)
     aliases = frozenset({str(config.model_path), str(config.model_path.resolve()), config.model_path.name})
