@@ -2,8 +2,8 @@
 
 `encode` turns a request into prompt ids with mlx-lm's conventions (the tokenizer's chat template
 with the generation prompt; without a template, mlx_lm.server's plain role transcript);
-`stream` yields runtime.api responses; `stats` is what GET /v1/specmoe/stats reports (host syncs are an estimate from the forward and
-one-sync counters; MLX has no sync counter).
+`stream` yields runtime.api responses; `stats` is what GET /v1/specmoe/stats reports (host syncs are counted when the decode loop
+reports them, else estimated from the forward and one-sync counters; MLX has no sync counter).
 
 Invariants: only the generation worker (or the REPL's one thread) calls `stream`; a chat request
 with one user message encodes to exactly the ids `specmoe generate -p TEXT` uses, so greedy
@@ -44,7 +44,7 @@ class Backend:
         self._lock = threading.Lock()
         self._totals = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0,
                         "decode_s": 0.0}
-        self._syncs = {"forwards": 0, "one_sync_forwards": 0, "estimated": 0, "tokens": 0}
+        self._syncs = {"forwards": 0, "one_sync_forwards": 0, "counted": 0, "estimated": 0, "tokens": 0}
         self._spec = {"drafted": 0, "accepted": 0, "rounds": 0}
         self._last = None  # RunStats of the last finished request
         self.pool = _prompt_pool(engine, prompt_cache_size)  # None: speculative (no prompt cache yet)
@@ -102,23 +102,31 @@ class Backend:
                         self._count_syncs(last.detail, last.stats.generation_tokens)
 
     def _count_syncs(self, detail, n_tokens: int) -> None:
-        """Host syncs, estimated from the run's forward and one-sync counters (see `stats`)."""
+        """Host syncs of one run: counted when the decode stats carry them (hot-path counters), else
+        estimated from the forward and one-sync counters (see `stats`)."""
         n_moe = len(self.engine.model.moe_layers)
         ok = detail.one_sync_tries - detail.one_sync_fallbacks
         if hasattr(detail, "n_rounds"):  # speculative: verify passes, reruns, drafted tokens
             forwards = detail.n_rounds + detail.n_reruns
             readbacks = detail.n_rounds + detail.n_drafted
+            counted = getattr(detail, "host_syncs", None)
+            counted = None if counted is None else counted + detail.n_drafted  # + the drafter's readbacks
             self._spec["drafted"] += detail.n_drafted
             self._spec["accepted"] += detail.n_accepted
             self._spec["rounds"] += detail.n_rounds
         else:  # plain: one decode step per token after the first
             forwards = max(0, n_tokens - 1)
             readbacks = n_tokens
+            per = getattr(detail, "host_syncs_per_token", None)
+            counted = None if per is None else per * forwards
         s = self._syncs
         s["forwards"] += forwards
         s["one_sync_forwards"] += ok
-        s["estimated"] += ok + (forwards - ok) * n_moe + detail.one_sync_fallbacks + readbacks
         s["tokens"] += n_tokens
+        if counted is not None:
+            s["counted"] += counted
+        else:
+            s["estimated"] += ok + (forwards - ok) * n_moe + detail.one_sync_fallbacks + readbacks
 
     # -- observability -----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -136,12 +144,14 @@ class Backend:
             "io": {"bytes_read": c["bytes_read"], "load_wait_ms": round(c["load_wait_ms"], 3),
                    "prefetch_used": c.get("prefetch_hits", 0),
                    "prefetch_wasted": c.get("prefetch_wasted", 0) + c.get("prefetch_cancelled", 0)},
-            "host_syncs": {"estimated": syncs["estimated"],
-                           "per_token": syncs["estimated"] / syncs["tokens"] if syncs["tokens"] else None,
+            "host_syncs": {"total": syncs["counted"] + syncs["estimated"],
+                           "per_token": (syncs["counted"] + syncs["estimated"]) / syncs["tokens"]
+                           if syncs["tokens"] else None,
+                           "counted": syncs["counted"], "estimated": syncs["estimated"],
                            "forwards": syncs["forwards"], "one_sync_forwards": syncs["one_sync_forwards"],
-                           "how": "estimated from counters: 1 per one-sync forward, 1 per MoE layer per other "
-                                  "forward (+1 per failed one-sync try), 1 per token or drafted-token readback; "
-                                  "prefill not counted"},
+                           "how": "counted by the decode loop when it reports them; otherwise estimated: 1 per "
+                                  "one-sync forward, 1 per MoE layer per other forward (+1 per failed one-sync "
+                                  "try), 1 per token or drafted-token readback; prefill not counted"},
             "speculative": None,
             "memory": _memory(om),
             "last_request": None,
