@@ -57,6 +57,16 @@ def test_health_and_models_say_what_is_served(server, client, target):
     assert [m.id for m in client.models.list().data] == [str(target)]
 
 
+def test_browsers_may_call_it_cors(server):
+    import urllib.request
+
+    req = urllib.request.Request(server + "/v1/chat/completions", method="OPTIONS", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] in ("*", "http://localhost:3000")
+
+
 def test_chat_non_streaming_and_streaming_equal_specmoe_generate(client, target, reference):
     prompt = PROMPTS[0]
     r = client.chat.completions.create(model=str(target), messages=[{"role": "user", "content": prompt}],

@@ -45,6 +45,9 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),
+        allowed_origins: str = typer.Option("*", "--allowed-origins",
+                                            help="Comma-separated origins browsers may call from (CORS), as "
+                                                 "mlx_lm.server; * allows any."),
         log_level: str = typer.Option("warning", "--log-level",
                                       help="uvicorn log level: critical, error, warning, info (logs each request), "
                                            "debug."),
@@ -62,5 +65,6 @@ def register(app: typer.Typer) -> None:
         defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         config = ServeConfig(model_ref=model, model_path=path, host=host, port=port, defaults=defaults,
                              max_prompt_tokens=max_prompt_tokens, one_sync=one_sync, log_level=log_level,
-                             prompt_cache_size=prompt_cache_size)
+                             prompt_cache_size=prompt_cache_size,
+                             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()))
         run_server(engine, config, log=lambda line: err_console.print(line, highlight=False, markup=False))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -41,6 +43,7 @@ class ServerState:
     aliases: frozenset[str]  # other names a request may use for the model (path, directory name)
     defaults: SamplingDefaults
     max_prompt_tokens: int  # longer prompts are refused with 400 context_length_exceeded
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS, as mlx_lm.server --allowed-origins (browser chat UIs)
 
     def check_model(self, name: str | None) -> None:
         if name is None or name in ("default_model", self.model_id) or name in self.aliases:
@@ -148,4 +151,6 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/v1/specmoe/stats", stats, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["*"])]
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})

@@ -30,6 +30,7 @@ class ServeConfig:
     one_sync: str = "auto"
     log_level: str = "warning"
     prompt_cache_size: int = 2  # conversations whose KV is kept (plain decoding)
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS origins (mlx_lm.server's default: all)
 
 
 def context_limit(config: dict) -> int:
@@ -48,7 +49,7 @@ def run_server(engine, config: ServeConfig, log=print) -> None:
     gen_queue = GenerationQueue(backend)
     limit = config.max_prompt_tokens or context_limit(engine.model.config)
     aliases = frozenset({str(config.model_path), str(config.model_path.resolve()), config.model_path.name})
-    state = ServerState(backend, gen_queue, config.model_ref, aliases, config.defaults, limit)
+    state = ServerState(backend, gen_queue, config.model_ref, aliases, config.defaults, limit, config.allowed_origins)
     app = build_app(state)
     log(f"specmoe serve: {config.model_ref} on http://{config.host}:{config.port}/v1 "
         f"(OpenAI API; one request at a time; prompts up to {limit} tokens; Ctrl-C stops)")
