@@ -80,8 +80,19 @@ def register(app: typer.Typer) -> None:
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),
         inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
+        pipeline: bool = typer.Option(False, "--pipeline",
+                                      help="Run as one stage of a pipeline over several processes or Macs; start every rank with "
+                                           "`mlx.launch -n N --backend ring -- specmoe generate ... --pipeline` (--budget is per rank)."),
+        pipeline_split: str = typer.Option(None, "--pipeline-split", help="Layers per rank, e.g. 3,5 (default: balanced by bytes)."),
+        pipeline_timeout: float = typer.Option(300.0, "--pipeline-timeout", help="Seconds a rank waits for any message before it gives up."),
+        pipeline_fault: str = typer.Option(None, "--pipeline-fault", hidden=True, help="Debug: die:RANK:WINDOW or hang:RANK:WINDOW."),
     ):
         """Generate text with routed experts paged from disk into a fixed-budget cache."""
+        if pipeline:
+            from runtime.cli.pipeline import generate_pipeline
+
+            return generate_pipeline(locals())
+
         from runtime.api import load, stream_generate
 
         prompt = opt.read_prompt(prompt)

@@ -1,0 +1,81 @@
+"""Plain generation through the pipeline (rank 0): prefill, then one window per token.
+
+Mirrors mlx-lm's generate_step: the prompt but its last token is prefilled in chunks
+of `prefill_step` tokens, then each step runs one token and samples from the
+log-probabilities of the last position with mlx-lm's sampler. So greedy tokens equal
+stock mlx-lm's in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+PREFILL_STEP = 2048  # mlx-lm's generate_step default
+
+
+@dataclass
+class PipelineStats:
+    n_ranks: int  # pipeline ranks
+    n_prompt_tokens: int  # tokens in the prompt
+    n_tokens: int  # tokens generated
+    prefill_s: float  # time to the first generated token
+    decode_s: float  # time for the tokens after the first
+    tokens_per_s: float  # decode throughput: tokens after the first / decode_s
+    n_windows: int = 0  # windows rank 0 sent through the chain (decode steps or verify rounds, plus prefill chunks)
+    n_drafted: int = 0  # speculative: draft tokens proposed
+    n_accepted: int = 0  # speculative: draft tokens accepted
+    n_rounds: int = 0  # speculative: verify windows
+    ranks: list = field(default_factory=list)  # per rank: layers, memory, cache counters, channel and compute time
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    def line(self) -> str:
+        parts = [f"{self.tokens_per_s:.1f} tok/s over {self.n_ranks} ranks"]
+        if self.n_rounds:
+            parts.append(f"acceptance {self.acceptance:.0%}, {self.n_tokens / self.n_rounds:.2f} tokens/verify")
+        for r in self.ranks:
+            c = r["counters"]
+            hr = c["hits"] / max(1, c["hits"] + c["misses"])
+            parts.append(f"rank {r['rank']} layers {r['layers'][0]}-{r['layers'][1]}: resident {r['resident_bytes'] / 1e6:.1f} MB "
+                         f"+ cache {r['cache_bytes'] / 1e6:.1f} MB, hit rate {hr:.0%}, "
+                         f"prefetch used {c['prefetch_hits']}, sent {r['channel']['bytes_sent'] / 1e3:.0f} KB")
+        return " | ".join(parts)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "acceptance": self.acceptance}
+
+
+def generate_plain(driver, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
+                   eos_ids=(), on_token=None, prefill_step: int = PREFILL_STEP) -> tuple[list[int], PipelineStats]:
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty after tokenization; expected at least one token")
+    sampler = make_sampler(temp=temp, top_p=top_p)
+    t0 = time.perf_counter()
+    driver.prefill(prompt_ids[:-1], prefill_step)
+    y, tokens, t_first = prompt_ids[-1], [], None
+    while len(tokens) < max_tokens:
+        logits = driver.window([y])[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        y = int(sampler(logprobs).item())
+        if t_first is None:
+            t_first = time.perf_counter()
+        tokens.append(y)
+        if on_token:
+            on_token(y)
+        if y in eos_ids:
+            break
+    t_end = time.perf_counter()
+    n_decode = len(tokens) - 1
+    stats = PipelineStats(n_ranks=driver.ch.size, n_prompt_tokens=len(prompt_ids), n_tokens=len(tokens),
+                          prefill_s=t_first - t0, decode_s=t_end - t_first,
+                          tokens_per_s=n_decode / (t_end - t_first) if n_decode and t_end > t_first else 0.0,
+                          n_windows=driver.timer.n_windows)
+    return tokens, stats

@@ -1,0 +1,187 @@
+"""Running `specmoe generate --pipeline` on every rank of an `mlx.launch` group.
+
+    mlx.launch -n 2 --backend ring -- specmoe generate -m MODEL -p "..." --pipeline
+    mlx.launch --hosts 10.0.0.1,10.0.0.2 --backend ring -- specmoe generate -m MODEL -p "..." --pipeline
+
+Every rank: join the group, load its stage (its layers, its cache and loader on its
+local store), then a start-up exchange in which each rank states whether it loaded
+and its store fingerprint. Rank 0 then tokenizes, drafts, samples and streams; the
+other ranks serve their stage until STOP.
+
+Invariants: every rank ends with the same outcome -- all succeed, or each prints one
+error line naming the rank at fault and exits non-zero (1: the pipeline failed, 2:
+bad input); nothing waits without a timeout. A failing rank tells the next rank before
+it exits; a rank stopped by mlx.launch (SIGTERM, sent when another rank exits with an
+error) says so. Failures exit with os._exit because a timed-out receive leaves a
+thread blocked inside MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.pipeline.channel import ERROR, Channel, Message, text_payload
+from runtime.pipeline.errors import PipelineError
+from runtime.pipeline.fingerprint import check_same_stores, store_fingerprint
+from runtime.pipeline.stage import Stage, StageConfig
+from runtime.pipeline.worker import parse_fault, serve_stage
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    model: Path  # the store or checkpoint, at the same path on every host
+    prompt: str  # the prompt text (rank 0)
+    max_tokens: int = 100
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = True  # apply the chat template
+    draft: Path | None = None  # drafter dir (rank 0): speculative decoding
+    num_draft: int = 4
+    predictor: str = "spmoe"
+    cutoff: int | None = None
+    projection: Path | None = None
+    forecast_k: int | None = None
+    max_prefetch_bytes: int | None = None
+    stage: StageConfig = StageConfig()
+    timeout_s: float = 300.0  # --pipeline-timeout: the longest wait for any message
+    fault: str | None = None  # --pipeline-fault (debug): die:RANK:WINDOW or hang:RANK:WINDOW
+    json_path: Path | None = None  # rank 0 writes tokens, text and every rank's report here
+
+
+def join_group():
+    import mlx.core as mx
+
+    try:
+        return mx.distributed.init(strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"--pipeline: this process is not part of an mlx.launch group ({e}); start every rank with "
+                         f"`mlx.launch -n N --backend ring -- specmoe generate ... --pipeline`") from None
+
+
+def _say(rank: int, text: str) -> None:
+    sys.stderr.write(f"specmoe (rank {rank}): {text}\n")
+    sys.stderr.flush()
+
+
+def _on_sigterm(rank: int):
+    def handler(signum, frame):
+        _say(rank, "error: stopped by mlx.launch because another rank exited; see that rank's error")
+        sys.stdout.flush()
+        os._exit(1)
+    return handler
+
+
+def _fail(ch: Channel | None, rank: int, e: BaseException, told_by: int | None) -> None:
+    """Report `e` on this rank, tell the next rank (unless it told us), exit non-zero."""
+    code = 2 if isinstance(e, ValueError) else 1
+    _say(rank, f"error: {e}")
+    if ch is not None and ch.size > 1 and ch.next_rank != told_by:
+        text = str(e) if isinstance(e, PipelineError) else f"rank {rank} failed: {e}"
+        try:
+            ch.send(Message(ERROR, origin=told_by if told_by is not None else rank, payload=text_payload(text)), timeout_s=5.0)
+        except BaseException:  # noqa: BLE001 - the next rank may be gone too; our error is already printed
+            pass
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _load(run: PipelineRun, rank: int, size: int):
+    """This rank's stage (and drafter on rank 0); the start-up record every rank shares."""
+    stage = draft = None
+    record = {"ok": True, "path": str(Path(run.model).resolve()), "fingerprint": "", "error": ""}
+    try:
+        stage = Stage.load(run.model, rank, size, run.stage)
+        record["fingerprint"] = store_fingerprint(stage.store)
+        if rank == 0 and run.draft is not None:
+            from runtime.decode import load_drafter
+
+            draft = load_drafter(run.draft, stage)
+    except (ValueError, OSError, RuntimeError) as e:
+        record.update(ok=False, error=str(e), kind="input" if isinstance(e, ValueError) else "load")
+    return stage, draft, record
+
+
+def run_generate(run: PipelineRun, write) -> int:
+    """Run on every rank; rank 0 streams text through `write`. Returns 0 or exits the process."""
+    fault = parse_fault(run.fault)
+    group = join_group()
+    rank, size = group.rank(), group.size()
+    signal.signal(signal.SIGTERM, _on_sigterm(rank))
+    ch = Channel(group, run.timeout_s)
+    stage, draft, record = _load(run, rank, size)
+    try:
+        try:  # every rank learns the same start-up facts, so every rank fails the same way without messages
+            records = [json.loads(r) for r in ch.all_gather_bytes(json.dumps(record).encode()[:4096])]
+            failed = [(r, x) for r, x in enumerate(records) if not x["ok"]]
+            if failed:
+                msg = "; ".join(f"rank {r} could not start: {x['error']}" for r, x in failed)
+                if all(x.get("kind") == "input" for _, x in failed):
+                    raise ValueError(msg)
+                raise PipelineError(msg, failed[0][0])
+            check_same_stores([x["fingerprint"] for x in records], [x["path"] for x in records])
+        except (ValueError, PipelineError) as e:
+            _fail(None, rank, e, None)
+        if rank == 0:
+            _say(0, f"{size} ranks: {stage.split.describe()}")
+            return _rank0(run, stage, draft, ch, write)
+        serve_stage(stage, ch, fault)
+        return 0
+    except PipelineError as e:
+        _fail(ch, rank, e, e.rank if e.rank is not None and e.rank != rank else None)
+    except (ValueError, OSError, RuntimeError) as e:
+        _fail(ch, rank, e, None)
+    finally:
+        if stage is not None:
+            stage.close()
+    return 1
+
+
+def _rank0(run: PipelineRun, stage, draft, ch: Channel, write) -> int:
+    import mlx.core as mx
+
+    from runtime.decode import SpecConfig, encode_prompt, make_drafter
+    from runtime.observe import write_json
+    from runtime.pipeline.driver import PipelineDriver
+    from runtime.pipeline.generation import generate_plain
+    from runtime.pipeline.speculative import PipelineSpeculative, pipeline_predictor
+
+    mx.random.seed(run.seed)
+    driver = PipelineDriver(stage, ch)
+    ids = encode_prompt(stage.tokenizer, run.prompt, chat=run.chat)
+    detok = stage.tokenizer.detokenizer
+    detok.reset()
+
+    def show(token: int) -> None:
+        detok.add_token(token)
+        write(detok.last_segment)
+
+    eos = set(stage.tokenizer.eos_token_ids)
+    if draft is None:
+        tokens, stats = generate_plain(driver, ids, max_tokens=run.max_tokens, temp=run.temp, top_p=run.top_p,
+                                       eos_ids=eos, on_token=show)
+    else:
+        draft_model, draft_config = draft
+        predictor = pipeline_predictor(run.predictor, stage, draft_model, draft_config, projection=run.projection,
+                                       forecast_k=run.forecast_k)
+        drafter = make_drafter(draft_model, run.predictor if run.cutoff != 0 else "none")
+        cfg = SpecConfig(num_draft=run.num_draft, cutoff=run.cutoff, temp=run.temp, top_p=run.top_p, seed=run.seed,
+                         max_prefetch_bytes=run.max_prefetch_bytes)
+        try:
+            tokens, stats = PipelineSpeculative(driver, drafter, predictor, cfg).generate(ids, run.max_tokens, eos, show)
+        finally:
+            if drafter.taps:
+                drafter.taps.remove()
+    stats.ranks = driver.stop()
+    detok.finalize()
+    write(detok.last_segment + "\n")
+    _say(0, stats.line())
+    if run.json_path:
+        write_json(run.json_path, {"model": str(run.model), "tokens": tokens, "text": stage.tokenizer.decode(tokens),
+                                   "split": [list(r) for r in stage.split.ranges], "stats": stats.to_json()})
+    return 0
