@@ -1,0 +1,132 @@
+"""Pipeline stages in one process: the split, the chain of stages against stock mlx-lm, rewinds, memory.
+
+The multi-process runs (mlx.launch) are in test_pipeline_launch.py; these check the same stage code
+without sockets, so they are fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_load
+
+from runtime.pipeline import Stage, StageConfig, balanced_split, explicit_split, store_fingerprint
+from runtime.pipeline.split import check_ranks, layer_of
+from storage import ExpertStore
+from tests.conftest import greedy_ids
+
+
+def test_balanced_split_is_contiguous_covering_and_optimal():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        n = int(rng.integers(2, 8))
+        weights = [int(w) for w in rng.integers(1, 20, size=n)]
+        extra = int(rng.integers(0, 30))
+        for ranks in range(1, n + 1):
+            split = balanced_split(weights, ranks, extra)
+            assert split.ranges[0][0] == 0 and split.ranges[-1][1] == n
+            assert all(a < b for a, b in split.ranges)
+            assert all(split.ranges[i][1] == split.ranges[i + 1][0] for i in range(ranks - 1))
+            # exhaustive: no contiguous split has a lighter heaviest rank
+            best = min(
+                max(sum(weights[a:b]) + (extra if r == 0 else 0) for r, (a, b) in enumerate(zip((0,) + cuts, cuts + (n,))))
+                for cuts in itertools.combinations(range(1, n), ranks - 1)
+            )
+            assert max(split.weights) == best
+
+
+def test_rank0_carries_the_head_so_it_gets_fewer_layers():
+    split = balanced_split([10] * 8, 2, rank0_extra=20)
+    assert split.ranges == ((0, 3), (3, 8))
+
+
+def test_more_ranks_than_layers_and_bad_explicit_splits_are_refused():
+    with pytest.raises(ValueError, match="3 pipeline ranks but the model has 2 decoder layers"):
+        check_ranks(3, 2)
+    with pytest.raises(ValueError, match="3 pipeline ranks but the model has 2"):
+        balanced_split([1, 1], 3)
+    with pytest.raises(ValueError, match="summing to the model's 4 layers"):
+        explicit_split([1, 2], [1, 1, 1, 1])
+
+
+def _chain_greedy(stages, prompt_ids, n):
+    """Greedy decode through stages chained in one process, as the ranks do over send/recv."""
+    def run(tokens):
+        h = stages[0].embed_tokens(tokens)
+        for s in stages:
+            h = s.forward(h)
+        return stages[0].logits(h)
+
+    if len(prompt_ids) > 1:
+        mx.eval(run(prompt_ids[:-1]))
+    y, out = prompt_ids[-1], []
+    for _ in range(n):
+        y = int(mx.argmax(run([y])[0, -1]).item())
+        out.append(y)
+    return out
+
+
+@pytest.mark.parametrize("family,n_ranks", [("qwen3_moe", 3), ("qwen3_5_moe", 2)])
+def test_chained_stages_equal_stock_mlx_lm(tiny_dirs, packed_dirs, family, n_ranks):
+    model, tok = mlx_load(str(tiny_dirs[family]))
+    ids = list(tok.encode("The quick brown fox jumps over the lazy dog."))
+    want = greedy_ids(model, ids, 8)
+    stages = [Stage.load(packed_dirs[family], r, n_ranks, StageConfig(budget="25%")) for r in range(n_ranks)]
+    try:
+        assert [s.layer_ids for s in stages] == [list(range(a, b)) for a, b in stages[0].split.ranges]
+        assert _chain_greedy(stages, ids, 8) == want
+    finally:
+        for s in stages:
+            s.close()
+
+
+def test_rewind_by_rerun_restores_untrimmable_state(packed_dirs):
+    """qwen3_5_moe's GatedDeltaNet state cannot be trimmed: rewind restores the snapshot and re-runs the kept prefix."""
+    path = packed_dirs["qwen3_5_moe"]
+    a = Stage.load(path, 0, 1, StageConfig(budget="100%"))
+    b = Stage.load(path, 0, 1, StageConfig(budget="100%"))
+    try:
+        prompt, window, nxt = [5, 9, 14, 3], [7, 21, 30, 11], [2]
+        for s in (a, b):
+            mx.eval(s.forward(s.embed_tokens(prompt)))
+        mx.eval(a.forward(a.embed_tokens(window), keep=True))  # verify window of 4; keep 2, reject 2
+        assert a.rewind(rejected=2, keep_tokens=2) == 2
+        mx.eval(b.forward(b.embed_tokens(window[:2])))  # a run that never saw the rejected tokens
+        la, lb = a.logits(a.forward(a.embed_tokens(nxt))), b.logits(b.forward(b.embed_tokens(nxt)))
+        assert mx.allclose(la, lb, atol=1e-4).item()
+        assert int(mx.argmax(la[0, -1]).item()) == int(mx.argmax(lb[0, -1]).item())
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_each_weight_lives_on_exactly_one_rank(packed_dirs, n_ranks):
+    path = packed_dirs["qwen3_moe"]
+    store = ExpertStore.open(path)
+    resident = {n: e.nbytes for n, e in store.resident_tensors().items()}
+    store.close()
+    stages = [Stage.load(path, r, n_ranks, StageConfig(budget="50%")) for r in range(n_ranks)]
+    try:
+        held = [s.resident_bytes for s in stages]
+        assert sum(held) == sum(resident.values())  # every non-expert weight evaluated once, on its owner
+        for s in stages:
+            own = sum(b for n, b in resident.items()
+                      if (layer_of(n) in s.layer_ids) or (layer_of(n) is None and s.rank == 0))
+            assert s.resident_bytes == own  # exactly its layers (rank 0: + embedding, norm, head)
+            assert s.cache.nbytes == s.plan.budget_bytes  # its cache is its own budget...
+            assert set(s.cache.layers()) == set(s.layer_ids)  # ...over its own layers only
+    finally:
+        for s in stages:
+            s.close()
+
+
+def test_fingerprint_tells_stores_apart(packed_dirs, tiny_dirs, tiny_qwen):
+    fps = {k: store_fingerprint(ExpertStore.open(p)) for k, p in
+           {"packed": packed_dirs["qwen3_moe"], "raw": tiny_dirs["qwen3_moe"], "other": tiny_qwen}.items()}
+    again = store_fingerprint(ExpertStore.open(packed_dirs["qwen3_moe"]))
+    assert fps["packed"] == again
+    assert len(set(fps.values())) == 3  # a packed copy, the raw checkpoint, another seed
