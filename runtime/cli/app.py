@@ -55,9 +55,9 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 
 
 def _register() -> None:
-    from runtime.cli import chat, demo, doctor, generate, plan, profile, selfcheck, serve, store, tune
+    from runtime.cli import chat, demo, doctor, generate, plan, plan_pipeline, profile, selfcheck, serve, store, tune
 
-    for group in (demo, selfcheck, generate, chat, serve, store, profile, tune, plan, doctor):
+    for group in (demo, selfcheck, generate, chat, serve, store, profile, tune, plan, plan_pipeline, doctor):
         group.register(app)
 
 

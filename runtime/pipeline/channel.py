@@ -1,7 +1,10 @@
 """Channel: messages between neighbouring pipeline ranks over mx.distributed send/recv.
 
-A message is a fixed-size int32 header and, when the header says so, one payload
-array (a window's hidden states, a forecast, or UTF-8 text). Ranks form a chain
+A message is one fixed-size frame: an int32 header and, inline, its payload (a
+window's hidden states, a forecast, or UTF-8 text) when that fits the frame;
+a larger payload (a prefill chunk) follows as a second transfer. One transfer per
+message matters: each costs the link's latency (and on a loaded CPU, MLX's ring
+threads' wake-ups). Ranks form a chain
 0 -> 1 -> ... -> N-1 -> 0, so every hop is between ring neighbours.
 
 Invariants:
@@ -27,6 +30,8 @@ import numpy as np
 from runtime.pipeline.errors import PipelineError
 
 HEADER_LEN = 8
+HEAD_BYTES = (HEADER_LEN + 6) * 4  # header, ndim, 4 dims, inline flag (int32)
+FRAME_BYTES = 64 * 1024  # payload bytes carried inside the header frame (a verify window of a 35B-A3B in bf16: 9 x 4 KB)
 # header: [op, n_tokens, round, trim, rerun, payload dtype code + 1 (0: none), origin, flags, ndim, dim0..dim3]
 FORWARD, FORECAST, STOP, ERROR, STATS = 1, 2, 3, 4, 5
 KEEP, NO_REPLY = 1, 2  # FORWARD flags: snapshot + keep the window for a rewind; the last rank sends nothing back
@@ -67,6 +72,7 @@ def _rank(peer) -> int | None:
 class ChannelStats:
     n_sent: int = 0  # messages sent
     n_received: int = 0  # messages received
+    n_frames: int = 0  # transfers sent (a message is one frame, or two when its payload is too big to inline)
     bytes_sent: int = 0  # payload bytes sent
     bytes_received: int = 0  # payload bytes received
     send_s: float = 0.0  # wall time in sends
@@ -76,9 +82,10 @@ class ChannelStats:
 class Channel:
     """Send to and receive from ring neighbours with a timeout on every receive."""
 
-    def __init__(self, group, timeout_s: float = 120.0):
+    def __init__(self, group, timeout_s: float = 120.0, frame_bytes: int = FRAME_BYTES):
         if timeout_s <= 0:
             raise ValueError(f"--pipeline-timeout {timeout_s}; expected seconds > 0")
+        self.frame_bytes = frame_bytes  # every rank must use the same value (frames have a fixed size)
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.timeout_s = timeout_s
@@ -109,7 +116,8 @@ class Channel:
             raise PipelineError(f"rank {self.rank}: no {what} from {_peer(peer)} within {timeout_s:g}s "
                                 f"({_peer(peer)} is stuck or gone; see its output)", rank=_rank(peer))
         if "error" in box:
-            raise PipelineError(f"rank {self.rank}: {what} with {_peer(peer)} failed: {box['error']} "
+            verb = {"message": "receiving from", "send": "sending to"}.get(what, f"the {what} with")
+            raise PipelineError(f"rank {self.rank}: {verb} {_peer(peer)} failed: {box['error']} "
                                 f"({_peer(peer)} stopped; see its output)", rank=_rank(peer)) from box["error"]
         return box.get("value")
 
@@ -126,6 +134,7 @@ class Channel:
 
     # -- messages ------------------------------------------------------------------------
     def send(self, msg: Message, dst: int | None = None, timeout_s: float | None = None) -> None:
+        """One frame (header + payload inline when it fits `frame_bytes`), else a header frame and the payload."""
         dst = self.next_rank if dst is None else dst
         timeout_s = timeout_s or self.timeout_s
         t0 = time.perf_counter()
@@ -139,19 +148,31 @@ class Channel:
             shape = tuple(p.shape)
         if len(shape) > 4:
             raise PipelineError(f"rank {self.rank}: payloads have at most 4 dimensions, not {len(shape)}", rank=self.rank)
-        self._send_array(mx.array(header + [len(shape)] + list(shape) + [0] * (4 - len(shape)), mx.int32), dst, timeout_s)
-        if p is not None:
-            mx.eval(p)  # computed here, on the caller's thread; the helper thread only moves bytes
+        inline = p is not None and p.nbytes <= self.frame_bytes
+        head = mx.array(header + [len(shape)] + list(shape) + [0] * (4 - len(shape)) + [int(inline)], mx.int32)
+        parts = [head.view(mx.uint8)]
+        if inline:
+            parts.append(p.reshape(-1).view(mx.uint8))
+        used = sum(x.size for x in parts)
+        parts.append(mx.zeros((HEAD_BYTES + self.frame_bytes - used,), mx.uint8))
+        frame = mx.concatenate(parts)
+        mx.eval(frame)  # computed here, on the caller's thread; the helper thread only moves bytes
+        self._send_array(frame, dst, timeout_s)
+        if p is not None and not inline:
+            mx.eval(p)
             self._send_array(p, dst, timeout_s)
+        if p is not None:
             self.stats.bytes_sent += p.nbytes
         self.stats.n_sent += 1
+        self.stats.n_frames += 1 + (p is not None and not inline)
         self.stats.send_s += time.perf_counter() - t0
 
     def recv(self, src: int | None = None, timeout_s: float | None = None) -> Message:
         src = self.prev_rank if src is None else src
         timeout_s = timeout_s or self.timeout_s
         t0 = time.perf_counter()
-        h = np.array(self._recv_array((HEADER_LEN + 5,), mx.int32, src, timeout_s)).tolist()
+        frame = self._recv_array((HEAD_BYTES + self.frame_bytes,), mx.uint8, src, timeout_s)
+        h = np.array(frame[:HEAD_BYTES].view(mx.int32)).tolist()
         op, n_tokens, round_id, trim, rerun, code, origin, flags = h[:HEADER_LEN]
         if op not in OP_NAMES:
             raise PipelineError(f"rank {self.rank}: malformed message (op {op}) from rank {src}", rank=src)
@@ -159,7 +180,12 @@ class Channel:
         if code:
             ndim = h[HEADER_LEN]
             shape = tuple(h[HEADER_LEN + 1 : HEADER_LEN + 1 + ndim])
-            payload = self._recv_array(shape, DTYPES[code - 1], src, timeout_s)
+            dtype = DTYPES[code - 1]
+            if h[HEADER_LEN + 5]:  # inline
+                n = int(np.prod(shape)) * dtype.size
+                payload = frame[HEAD_BYTES : HEAD_BYTES + n].view(dtype).reshape(shape)
+            else:
+                payload = self._recv_array(shape, dtype, src, timeout_s)
             self.stats.bytes_received += payload.nbytes
         self.stats.n_received += 1
         self.stats.wait_s += time.perf_counter() - t0

@@ -8,7 +8,8 @@ bytes). One decode token runs the stages one after another, so
 
     token_ms = sum over ranks of forward_ms(rank) + N hops * (latency + T*D*2 bytes / link bandwidth)
 
-(N hops: 0 -> 1 -> ... -> N-1 -> 0). A speculative round adds rank 0's draft phase; every rank's
+(N hops: 0 -> 1 -> ... -> N-1 -> 0). A speculative round adds rank 0's draft phase and each rank's
+re-run of accepted tokens when its state cannot be trimmed (as the single-Mac planner); every rank's
 loader can prefetch through it (the forecasts reach each rank during the draft), so each rank's
 verify forward gets the draft time as extra overlap; forecast messages are small sends during
 the draft and are not charged. More Macs do not make one token faster (the stages are serial);
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from runtime.cache import BudgetSpec
 from runtime.plan.mac_profiles import MacProfile
 from runtime.plan.model_costs import ModelCosts, affine_bytes_per_weight
-from runtime.plan.planner import CostConstants, SpecAssumptions, forward_time, hit_rates, plan_memory, project
+from runtime.plan.planner import CostConstants, HitRates, SpecAssumptions, forward_time, hit_rates, plan_memory, project
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,19 @@ class RankPlan:
     n_moe_layers: int  # MoE layers this rank owns
     resident_bytes: int  # its non-expert weights (rank 0: + embedding and head)
     kv_bytes: int  # its KV cache + recurrent state at the context length
-    drafter_bytes: int  # rank 0 with speculation: the drafter
-    cache_bytes: int  # its expert cache
+    cache_bytes: int  # its expert cache (plain decode)
     expert_bytes: int  # all routed experts of its layers
     fits: bool  # fits this Mac's GPU working set
-    hit_rate: float  # projected expert-cache hit rate
+    hit_rate: float  # projected expert-cache hit rate (plain decode)
     step_ms: float  # its share of one plain decode step
-    verify_ms: float  # its share of one verify forward (0 without speculation)
+    drafter_bytes: int = 0  # rank 0 with speculation: the drafter, which takes cache room
+    spec_hit_rate: float = 0.0  # hit rate with the drafter resident (rank 0's cache is smaller)
+    verify_ms: float = 0.0  # its share of one verify forward (0 without speculation)
 
     @property
     def memory_bytes(self) -> int:
-        return self.resident_bytes + self.kv_bytes + self.drafter_bytes + self.cache_bytes
+        """Resident + KV + cache of plain decode (the cache shrinks by the drafter under speculation, --budget auto)."""
+        return self.resident_bytes + self.kv_bytes + self.cache_bytes
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class PipelinePlan:
     plain_tok_s: float  # projected plain decode tok/s through the pipeline
     spec_tok_s: float | None  # projected speculative tok/s (None without speculation)
     single_tok_s: float  # the same model on one such Mac (plain), for comparison
+    single_spec_tok_s: float | None  # ... speculative
     single_fits: bool  # whether it fits one Mac at all
     single_hit_rate: float
 
@@ -123,6 +127,8 @@ def split_layers(model: ModelCosts, n_ranks: int, outside_bytes: int) -> list[in
 
 
 def _rank_model(model: ModelCosts, n_layers: int, rank: int, outside: int, outside_read: int) -> ModelCosts:
+    if n_layers == model.n_moe_layers:
+        return model  # one rank: the whole model
     share = n_layers / model.n_moe_layers
     return replace(
         model, n_layers=max(1, round(model.n_layers * share)), n_moe_layers=n_layers,
@@ -159,17 +165,26 @@ def project_pipeline(model: ModelCosts, config: dict, mac: MacProfile, n_ranks: 
     ranks = []
     for r, n in enumerate(counts):
         rm = _rank_model(model, n, r, outside, outside_read)
-        drafter = spec.drafter_bytes if (spec and r == 0) else 0
-        mem = plan_memory(rm, mac, budget, context_tokens, drafter_bytes=drafter)
+        mem = plan_memory(rm, mac, budget, context_tokens)
         hits = hit_rates(mem)
         step = forward_time(rm, mac, hits, constants, context_tokens=context_tokens, prefetch_recall=prefetch_recall)
-        verify_ms = 0.0
+        plan = RankPlan(r, n, rm.resident_bytes, mem.kv_bytes, mem.cache_bytes, rm.expert_total_bytes, mem.fits,
+                        hits.cache, step.total_ms)
         if spec is not None:
-            verify_ms = forward_time(rm, mac, hits, constants, n_tokens=window, context_tokens=context_tokens,
+            drafter = spec.drafter_bytes if r == 0 else 0
+            spec_hits = hit_rates(plan_memory(rm, mac, budget, context_tokens, drafter_bytes=drafter))
+            verify_ms = forward_time(rm, mac, spec_hits, constants, n_tokens=window, context_tokens=context_tokens,
                                      unique_expert_scale=spec.unique_expert_scale, prefetch_recall=prefetch_recall,
                                      extra_overlap_ms=draft_ms).total_ms
-        ranks.append(RankPlan(r, n, rm.resident_bytes, mem.kv_bytes, drafter, mem.cache_bytes, rm.expert_total_bytes,
-                              mem.fits, hits.cache, step.total_ms, verify_ms))
+            if rm.state_bytes or rm.window_tokens:  # rewind by re-running the accepted tokens, as project() does
+                from runtime.observe import expected_tokens_per_round
+
+                accepted = max(1, round(expected_tokens_per_round(spec.acceptance_rate, spec.draft_len) - 1))
+                rerun = forward_time(rm, mac, HitRates(1.0, 0.0, "re-run"), constants, n_tokens=accepted,
+                                     context_tokens=context_tokens)
+                verify_ms += (1 - spec.acceptance_rate**spec.draft_len) * rerun.total_ms
+            plan = replace(plan, drafter_bytes=drafter, spec_hit_rate=spec_hits.cache, verify_ms=verify_ms)
+        ranks.append(plan)
     hops = n_ranks if n_ranks > 1 else 0
     hop_ms = link.hop_ms(hidden_bytes)
     verify_hop_ms = link.hop_ms(window * hidden_bytes)
@@ -184,5 +199,10 @@ def project_pipeline(model: ModelCosts, config: dict, mac: MacProfile, n_ranks: 
     single_mem = plan_memory(model, mac, budget, context_tokens)
     single_hits = hit_rates(single_mem)
     single = project(model, mac, single_hits, constants, context_tokens=context_tokens, prefetch_recall=prefetch_recall)
+    single_spec = None
+    if spec is not None:
+        spec_hits = hit_rates(plan_memory(model, mac, budget, context_tokens, drafter_bytes=spec.drafter_bytes))
+        single_spec = project(model, mac, spec_hits, constants, context_tokens=context_tokens, spec=spec,
+                              prefetch_recall=prefetch_recall).tok_per_s
     return PipelinePlan(model.name, mac.name, link.name, n_ranks, tuple(ranks), hop_ms, verify_hop_ms,
-                        1000.0 / plain_ms, spec_tok_s, single.tok_per_s, single_mem.fits, single_hits.cache)
+                        1000.0 / plain_ms, spec_tok_s, single.tok_per_s, single_spec, single_mem.fits, single_hits.cache)

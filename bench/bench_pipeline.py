@@ -1,0 +1,108 @@
+"""Pipeline stages over mx.distributed against one process, measured in one run.
+
+Physics: one decode token runs the stages one after another, so a pipeline cannot make a
+token faster than one machine that holds the model; it adds one message per hop (a
+(1, T, D) hidden state) and per-process overhead, and it lets each machine's expert cache
+cover a larger share of its own layers' experts. On one machine the ranks share the CPU,
+so this bench measures the cost of the pipeline machinery (messages, per-rank bookkeeping,
+process split), not a multi-Mac speed-up; the planner (runtime/plan/pipeline_plan.py)
+projects real links.
+
+Variants, all greedy on the same prompt and the tiny trained target at the same per-rank
+budget, each a fresh `specmoe generate` (single: one process; pipeline N: `mlx.launch -n N
+--backend ring` on 127.0.0.1): single, pipeline 2, pipeline 3, and each with the tiny drafter
+(speculative). Variants run interleaved, `--repeats` times; the table gives decode tok/s
+(median, min-max) and the ratio to the single process of the same mode, the per-message cost
+seen by rank 0 and the bytes each rank sent. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.test_pipeline_launch import LAUNCH, _free_ports  # noqa: E402
+
+TINY = REPO / "runtime" / "data" / "tiny"
+PROMPT = "The quick brown fox jumps over the lazy dog. Experts live on disk and the loader fetches them."
+
+
+def run(variant: str, args, out: Path) -> dict:
+    n_ranks, spec = variant.split("/")
+    cli = [sys.executable, "-m", "runtime.cli.app", "generate", "-m", str(args.model), "-p", PROMPT, "--raw-prompt",
+           "-n", str(args.tokens), "--budget", args.budget, "--json", str(out)]
+    if spec == "spec":
+        cli += ["--draft", str(args.draft), "--num-draft", str(args.num_draft), "--predictor", "spmoe"]
+    if n_ranks == "1":
+        cmd = cli + ["--one-sync", "off", "--no-memory-governor"]  # the per-layer path the stages run
+    else:
+        cmd = [sys.executable, "-c", LAUNCH, "-n", n_ranks, "--backend", "ring", "-p", str(_free_ports(int(n_ranks))),
+               "--", *cli, "--pipeline", "--pipeline-timeout", "300"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    if not out.exists():
+        raise RuntimeError(f"{variant} failed:\n{r.stderr[-2000:]}")
+    d = json.loads(out.read_text())
+    out.unlink()
+    s = d["stats"]
+    if "tokens_per_s" in s and n_ranks != "1" or spec == "plain":
+        tps = s["tokens_per_s"]
+    else:  # single-process speculative: SpecStats
+        tps = s["n_tokens"] / s["decode_s"] if s["decode_s"] else 0.0
+    row = {"tokens_per_s": tps, "tokens": d["tokens"]}
+    if n_ranks != "1":
+        r0 = s["ranks"][0]["channel"]
+        row["ms_per_message"] = 1000 * r0["send_s"] / max(1, r0["n_sent"])
+        row["kb_sent"] = [round(x["channel"]["bytes_sent"] / 1e3, 1) for x in s["ranks"]]
+        row["resident_mb"] = [round(x["resident_bytes"] / 1e6, 3) for x in s["ranks"]]
+        row["cache_mb"] = [round(x["cache_bytes"] / 1e6, 3) for x in s["ranks"]]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=TINY / "target")
+    p.add_argument("--draft", type=Path, default=TINY / "drafter")
+    p.add_argument("--budget", default="50%")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--num-draft", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--variants", default="1/plain,2/plain,3/plain,1/spec,2/spec")
+    args = p.parse_args()
+    variants = args.variants.split(",")
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for v in variants:
+                rows[v].append(run(v, args, Path(tmp) / "out.json"))
+                print(f"  repeat {rep + 1} {v}: {rows[v][-1]['tokens_per_s']:.2f} tok/s", file=sys.stderr, flush=True)
+    summary = {}
+    print(f"{'variant':<14}{'tok/s median (min-max)':>26}{'vs single':>11}{'ms/message':>12}  same tokens  kB sent per rank")
+    for v in variants:
+        tps = [r["tokens_per_s"] for r in rows[v]]
+        base_key = "1/" + v.split("/")[1]  # the single process in the same mode
+        base = [r["tokens_per_s"] for r in rows[base_key]] if base_key in rows else None
+        ratios = [a / b for a, b in zip(tps, base)] if base else []
+        same = all(r["tokens"] == rows[variants[0]][0]["tokens"] for r in rows[v])
+        msg = [r.get("ms_per_message") for r in rows[v] if r.get("ms_per_message") is not None]
+        summary[v] = {"tokens_per_s": tps, "median": statistics.median(tps), "ratio_vs_single": ratios,
+                      "ratio_median": statistics.median(ratios) if ratios else None, "same_tokens": same,
+                      "ms_per_message": msg, **{k: rows[v][-1][k] for k in ("kb_sent", "resident_mb", "cache_mb") if k in rows[v][-1]}}
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        print(f"{v:<14}{statistics.median(tps):>10.2f} ({min(tps):.2f}-{max(tps):.2f}){'':>4}{ratio:>11}"
+              f"{(statistics.median(msg) if msg else 0):>12.2f}  {str(same):>11}  {summary[v].get('kb_sent', '-')}")
+    print(json.dumps({"bench": "pipeline", "model": str(args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model),
+                      "budget": args.budget, "tokens": args.tokens, "num_draft": args.num_draft, "repeats": args.repeats,
+                      "machine": "shared 2-core x86 CPU, MLX CPU backend, ranks on 127.0.0.1", "variants": summary}))
+
+
+if __name__ == "__main__":
+    main()
