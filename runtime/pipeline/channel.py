@@ -90,6 +90,7 @@ class Channel:
         self.rank, self.size = group.rank(), group.size()
         self.timeout_s = timeout_s
         self.stats = ChannelStats()
+        self.waiting_for = None  # the peer a transfer in progress waits for (named when the rank is stopped)
 
     @property
     def next_rank(self) -> int:
@@ -111,7 +112,11 @@ class Channel:
 
         t = threading.Thread(target=run, name=f"pipeline-{what}", daemon=True)
         t.start()
-        t.join(timeout_s)
+        self.waiting_for = peer
+        try:
+            t.join(timeout_s)
+        finally:
+            self.waiting_for = None
         if t.is_alive():
             raise PipelineError(f"rank {self.rank}: no {what} from {_peer(peer)} within {timeout_s:g}s "
                                 f"({_peer(peer)} is stuck or gone; see its output)", rank=_rank(peer))

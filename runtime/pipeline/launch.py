@@ -69,9 +69,11 @@ def _say(rank: int, text: str) -> None:
     sys.stderr.flush()
 
 
-def _on_sigterm(rank: int):
+def _on_sigterm(rank: int, ch: Channel):
     def handler(signum, frame):
-        _say(rank, "error: stopped by mlx.launch because another rank exited; see that rank's error")
+        peer = ch.waiting_for
+        waiting = f" (this rank was waiting for {'rank ' + str(peer) if isinstance(peer, int) else peer})" if peer is not None else ""
+        _say(rank, f"error: stopped by mlx.launch because another rank exited{waiting}; see that rank's error")
         sys.stdout.flush()
         os._exit(1)
     return handler
@@ -112,8 +114,8 @@ def run_generate(run: PipelineRun, write) -> int:
     fault = parse_fault(run.fault)
     group = join_group()
     rank, size = group.rank(), group.size()
-    signal.signal(signal.SIGTERM, _on_sigterm(rank))
     ch = Channel(group, run.timeout_s)
+    signal.signal(signal.SIGTERM, _on_sigterm(rank, ch))
     stage, draft, record = _load(run, rank, size)
     try:
         try:  # every rank learns the same start-up facts, so every rank fails the same way without messages
