@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.test_pipeline_launch import LAUNCH, _free_ports  # noqa: E402
+from runtime.pipeline.local import local_launch_command  # noqa: E402
 
 TINY = REPO / "runtime" / "data" / "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog. Experts live on disk and the loader fetches them."
@@ -44,8 +44,7 @@ def run(variant: str, args, out: Path) -> dict:
     if n_ranks == "1":
         cmd = cli + ["--one-sync", "off", "--no-memory-governor"]  # the per-layer path the stages run
     else:
-        cmd = [sys.executable, "-c", LAUNCH, "-n", n_ranks, "--backend", "ring", "-p", str(_free_ports(int(n_ranks))),
-               "--", *cli, "--pipeline", "--pipeline-timeout", "300"]
+        cmd = local_launch_command(int(n_ranks), [*cli, "--pipeline", "--pipeline-timeout", "300"])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     if not out.exists():
@@ -53,10 +52,10 @@ def run(variant: str, args, out: Path) -> dict:
     d = json.loads(out.read_text())
     out.unlink()
     s = d["stats"]
-    if "tokens_per_s" in s and n_ranks != "1" or spec == "plain":
-        tps = s["tokens_per_s"]
-    else:  # single-process speculative: SpecStats
+    if n_ranks == "1" and spec == "spec":  # SpecStats: every token over the time of all rounds
         tps = s["n_tokens"] / s["decode_s"] if s["decode_s"] else 0.0
+    else:  # GenerationStats, PipelineStats: the same definitions (see runtime/pipeline/generation.py)
+        tps = s["tokens_per_s"]
     row = {"tokens_per_s": tps, "tokens": d["tokens"]}
     if n_ranks != "1":
         r0 = s["ranks"][0]["channel"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,41 +18,18 @@ import pytest
 from mlx_lm import load as mlx_load
 
 from runtime.checkpoints.tiny import make_tiny
+from runtime.pipeline.local import local_launch_command
 from tests.conftest import greedy_ids
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "runtime" / "data" / "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog."
-LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
-
-
-def _free_ports(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free ports")
 
 
 def launch(n: int, args: list[str], timeout: float = 300, shell: str | None = None):
     """Run the pipeline on n local ranks; returns (stdout, stderr, seconds)."""
-    cmd = [sys.executable, "-c", LAUNCH, "-n", str(n), "--backend", "ring", "-p", str(_free_ports(n)), "--"]
     cli = [sys.executable, "-m", "runtime.cli.app", "generate", *args]
-    cmd += ["bash", "-c", shell.format(cli=" ".join(cli))] if shell else cli
+    cmd = local_launch_command(n, ["bash", "-c", shell.format(cli=" ".join(cli))] if shell else cli)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})

@@ -22,9 +22,9 @@ class PipelineStats:
     n_ranks: int  # pipeline ranks
     n_prompt_tokens: int  # tokens in the prompt
     n_tokens: int  # tokens generated
-    prefill_s: float  # time to the first generated token
-    decode_s: float  # time for the tokens after the first
-    tokens_per_s: float  # decode throughput: tokens after the first / decode_s
+    prefill_s: float  # plain: time to the first generated token; speculative: time of the prefill
+    decode_s: float  # plain: time for the tokens after the first; speculative: time of all rounds
+    tokens_per_s: float  # plain: tokens after the first / decode_s (as GenerationStats); speculative: tokens / decode_s (as SpecStats)
     n_windows: int = 0  # windows rank 0 sent through the chain (decode steps or verify rounds, plus prefill chunks)
     n_drafted: int = 0  # speculative: draft tokens proposed
     n_accepted: int = 0  # speculative: draft tokens accepted

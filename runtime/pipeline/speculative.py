@@ -120,13 +120,11 @@ class PipelineSpeculative:
         t0 = time.perf_counter()
         self.driver.prefill(prompt_ids[:-1], self.cfg.prefill_chunk)
         self.drafter.prefill(prompt_ids)
-        pending, out, t_first = prompt_ids[-1], [], None
+        t1 = time.perf_counter()  # decode throughput counts every round, as SpecStats does
+        pending, out = prompt_ids[-1], []
         while len(out) < max_tokens:
-            emitted = self.step(pending)
-            if t_first is None:
-                t_first, n_first = time.perf_counter(), len(emitted)
             done = False
-            for token in emitted:
+            for token in self.step(pending):
                 out.append(token)
                 if on_token:
                     on_token(token)
@@ -137,11 +135,9 @@ class PipelineSpeculative:
                 break
             pending = out[-1]
         t_end = time.perf_counter()
-        # Throughput over the rounds after the first (which also carries the prefill), as plain counts tokens after the first.
-        n_decode = len(out) - min(n_first, len(out))
         stats = PipelineStats(n_ranks=self.driver.ch.size, n_prompt_tokens=len(prompt_ids), n_tokens=len(out),
-                              prefill_s=t_first - t0, decode_s=t_end - t_first,
-                              tokens_per_s=n_decode / (t_end - t_first) if n_decode and t_end > t_first else 0.0,
+                              prefill_s=t1 - t0, decode_s=t_end - t1,
+                              tokens_per_s=len(out) / (t_end - t1) if t_end > t1 else 0.0,
                               n_windows=self.driver.timer.n_windows, n_drafted=self.n_drafted,
                               n_accepted=self.n_accepted, n_rounds=self.n_rounds)
         return out, stats
