@@ -100,7 +100,8 @@ def main() -> None:
               f"{(statistics.median(msg) if msg else 0):>12.2f}  {str(same):>11}  {summary[v].get('kb_sent', '-')}")
     print(json.dumps({"bench": "pipeline", "model": str(args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model),
                       "budget": args.budget, "tokens": args.tokens, "num_draft": args.num_draft, "repeats": args.repeats,
-                      "machine": "shared 2-core x86 CPU, MLX CPU backend, ranks on 127.0.0.1", "variants": summary}))
+                      "machine": "shared 2-core x86 CPU, MLX CPU backend, ranks on 127.0.0.1",
+                      "load_avg_after": os.getloadavg(), "variants": summary}))
 
 
 if __name__ == "__main__":

@@ -104,8 +104,10 @@ def _load(run: PipelineRun, rank: int, size: int):
             from runtime.decode import load_drafter
 
             draft = load_drafter(run.draft, stage)
-    except (ValueError, OSError, RuntimeError) as e:
-        record.update(ok=False, error=str(e), kind="input" if isinstance(e, ValueError) else "load")
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the start-up exchange
+        record.update(ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, OSError)) else str(e),
+                      kind="input" if isinstance(e, ValueError) else "load")
+    record["error"] = record["error"][:2000]  # the whole record travels in a 4 KiB start-up slot
     return stage, draft, record
 
 
@@ -119,7 +121,7 @@ def run_generate(run: PipelineRun, write) -> int:
     stage, draft, record = _load(run, rank, size)
     try:
         try:  # every rank learns the same start-up facts, so every rank fails the same way without messages
-            records = [json.loads(r) for r in ch.all_gather_bytes(json.dumps(record).encode()[:4096])]
+            records = [json.loads(r) for r in ch.all_gather_bytes(json.dumps(record).encode())]
             failed = [(r, x) for r, x in enumerate(records) if not x["ok"]]
             if failed:
                 msg = "; ".join(f"rank {r} could not start: {x['error']}" for r, x in failed)
@@ -136,7 +138,7 @@ def run_generate(run: PipelineRun, write) -> int:
         return 0
     except PipelineError as e:
         _fail(ch, rank, e, e.rank if e.rank is not None and e.rank != rank else None)
-    except (ValueError, OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, not just this one's traceback
         _fail(ch, rank, e, None)
     finally:
         if stage is not None:
