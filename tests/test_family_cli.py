@@ -37,6 +37,8 @@ def test_convert_info_generate_profile(family, tiny_dirs, drafter, tmp_path):
         assert ("gate_proj.bias" in facts["expert_tensors"]) == (family == "gpt_oss")
         assert ("gate_proj.biases" in facts["expert_tensors"]) == (family != "gpt_oss")  # mxfp4 has no offsets
         assert facts["budget"]["slots_per_layer"] == 8
+        act = "SwigluOAI" if family == "gpt_oss" else "SwiGLU"
+        assert facts["expert_class"].startswith(f"SwitchGLU({act}; {MODE.get(family, 'affine')} 4-bit")
     texts = {}
     for name, path, extra in (("plain raw", src, []), ("plain packed", dst, []),
                               ("speculative packed", dst, ["--draft", str(drafter), "--predictor", "spmoe"])):
@@ -66,3 +68,25 @@ def test_tune_a_gpt_oss_store(tiny_dirs, drafter, tmp_path):
     assert code == 0, err
     assert json.loads((tmp_path / "t.json").read_text())["chosen"]
     assert (target / "tuning.json").exists()
+
+
+def test_expert_tensors_that_do_not_match_the_model_module_are_refused(tiny_dirs, tmp_path):
+    """gpt-oss without its expert biases: the tensors alone look like valid experts, the module
+    structure says each projection has a bias; convert and generate refuse in one line."""
+    import shutil
+
+    import mlx.core as mx
+
+    from tests.test_cli_errors import _check_one_line_error
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dirs["gpt_oss"], src)
+    weights = mx.load(str(src / "model.safetensors"))
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        del weights[f"model.layers.1.mlp.experts.{proj}.bias"]
+    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
+    code, out, err = run_cli(["convert", str(src), str(tmp_path / "dst")])
+    _check_one_line_error(code, out, err, "model.layers.1.mlp.experts", "bias")
+    assert not (tmp_path / "dst").exists()
+    code, out, err = run_cli(["generate", "-m", str(src), "-p", "hi", "-n", "2"])
+    _check_one_line_error(code, out, err, "model.layers.1.mlp.experts", "bias")

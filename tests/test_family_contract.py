@@ -4,7 +4,8 @@ For each family of runtime.checkpoints.tiny.FAMILIES (a tiny random-weight check
 built with mlx-lm's own classes and quantization: 4-bit affine, gpt-oss's experts MXFP4
 with biases; DeepSeek/GLM with a dense first layer, a shared expert and grouped top-k):
 - greedy tokens equal stock mlx-lm's at budgets 100%, 50%, 25% and the minimum, from the
-  raw checkpoint and from the packed store;
+  raw checkpoint and from the packed store (at 25% also specmoe's own decode loop with
+  one-sync steps);
 - speculative greedy equals plain greedy with a dense drafter (random and the target's
   own weights), with and without SP-MoE expert forecasts (the family's router);
 - a budget below the minimum is the usual one-line error;
@@ -25,6 +26,7 @@ from runtime.checkpoints.tiny import FAMILIES, make_tiny
 from runtime.decode.families import SUPPORTED_MODEL_TYPES
 from runtime.decode.moe_blocks import find_expert_modules
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.plain import generate_tokens
 from runtime.decode.speculative_run import run_speculative
 from storage import ExpertStore
 from tests.conftest import PROMPT, TINY, greedy_ids, run_cli
@@ -82,6 +84,9 @@ def test_greedy_tokens_identical_to_stock(family, source, tiny_dirs, packed_dirs
             got = greedy_ids(om.model, ids)
             slots_seen.append(min(om.plan.slots.values()))
             counters = om.counters()
+            if budget == "25%":  # specmoe's own decode loop, device-side lookups (one sync per token)
+                ours, stats = generate_tokens(om.model, ids, max_tokens=len(expected), om=om, one_sync="on")
+                assert ours == expected and stats.one_sync_tries > 0, f"{family}/{source} one-sync"
         finally:
             om.close()
         assert got == expected, f"{family}/{source} at budget {budget}"

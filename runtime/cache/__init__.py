@@ -24,10 +24,11 @@ from runtime.cache.cache_stats import CallStats
 from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.governor import GovernorConfig, MemoryGovernor
 from runtime.cache.policy import make_policy
+from runtime.cache.slab_switch import check_expert_module, slab_switch_glu
 from runtime.cache.slot_table import SlotTable
 
 __all__ = [
     "HEADROOM_FRACTION", "HEADROOM_MIN_BYTES", "BudgetPlan", "BudgetSpec", "format_bytes", "kv_bytes_estimate",
     "parse_budget", "plan_budget", "CachedSwitchGLU", "CallStats", "ExpertCache", "GovernorConfig", "MemoryGovernor",
-    "make_policy", "SlotTable",
+    "make_policy", "SlotTable", "check_expert_module", "slab_switch_glu",
 ]

@@ -66,20 +66,14 @@ def _fresh(template: nn.Module) -> nn.Module:
     return out
 
 
-def _mirror_linear(layout: LayerLayout, slabs: dict[str, mx.array], proj: str, stock: nn.Module) -> nn.Module:
-    """The slab projection: stock's class and attributes, or QuantizedSwitchLinear of the layout's spec.
-
-    A model loaded from a packed store has no expert tensors, so mlx-lm leaves its
-    expert projections unquantized; the layout (config.json and the tensors) then says
-    how they are quantized. A model loaded from the raw checkpoint must agree with it.
-    """
+def _check_linear(layout: LayerLayout, proj: str, stock: nn.Module) -> None:
     where = f"{layout.prefix}.{proj}"
     if not isinstance(stock, (SwitchLinear, QuantizedSwitchLinear)):
         raise ValueError(f"{where}: {type(stock).__name__} is not a SwitchLinear or QuantizedSwitchLinear; cannot page it")
     if getattr(stock, "global_scale", None) is not None:
         raise ValueError(f"{where}: per-expert global scales ({getattr(stock, 'mode', '?')}) are not paged")
     q = layout.quant[proj]
-    mine = {t.name.split(".", 1)[1] for t in layout.tensors if t.name.startswith(proj + ".")}
+    mine = _parts(layout, proj)
     if ("bias" in stock) != ("bias" in mine):
         raise ValueError(f"{where}: the model's projection {'has' if 'bias' in stock else 'has no'} bias but the expert tensors "
                          f"{'have' if 'bias' in mine else 'have no'} {proj}.bias")
@@ -88,8 +82,35 @@ def _mirror_linear(layout: LayerLayout, slabs: dict[str, mx.array], proj: str, s
         if q is None or (q.group_size, q.bits, q.mode) != got:
             raise ValueError(f"{where}: the model runs group_size/bits/mode {got} but the expert tensors are "
                              f"{None if q is None else (q.group_size, q.bits, q.mode)}")
-        lin = _fresh(stock)
-    elif q is None:
+
+
+def _parts(layout: LayerLayout, proj: str) -> set[str]:
+    return {t.name.split(".", 1)[1] for t in layout.tensors if t.name.startswith(proj + ".")}
+
+
+def check_expert_module(layout: LayerLayout, like: nn.Module) -> None:
+    """Raise ValueError (naming the module) unless `like` can run over slabs of `layout`."""
+    for key, child in like.items():
+        if key in PROJECTIONS:
+            _check_linear(layout, key, child)
+        elif isinstance(child, mx.array):
+            raise ValueError(f"{layout.prefix}.{key}: an array of the expert module that is not per-expert paged")
+    missing = [p for p in PROJECTIONS if p not in like]
+    if missing:
+        raise ValueError(f"{layout.prefix}: the expert module has no {', '.join(missing)}")
+
+
+def _mirror_linear(layout: LayerLayout, slabs: dict[str, mx.array], proj: str, stock: nn.Module) -> nn.Module:
+    """The slab projection: stock's class and attributes, or QuantizedSwitchLinear of the layout's spec.
+
+    A model loaded from a packed store has no expert tensors, so mlx-lm leaves its
+    expert projections unquantized; the layout (config.json and the tensors) then says
+    how they are quantized. A model loaded from the raw checkpoint must agree with it
+    (check_expert_module).
+    """
+    q = layout.quant[proj]
+    mine = _parts(layout, proj)
+    if isinstance(stock, QuantizedSwitchLinear) or q is None:
         lin = _fresh(stock)
     else:
         weight = slabs[f"{proj}.weight"]
@@ -106,16 +127,10 @@ def _mirror_linear(layout: LayerLayout, slabs: dict[str, mx.array], proj: str, s
 
 
 def _mirror(layout: LayerLayout, slabs: dict[str, mx.array], like: nn.Module) -> nn.Module:
+    check_expert_module(layout, like)
     glu = _fresh(like)
     for key, child in like.items():
-        if key in PROJECTIONS:
-            glu[key] = _mirror_linear(layout, slabs, key, child)
-        elif isinstance(child, mx.array):
-            raise ValueError(f"{layout.prefix}.{key}: an array of the expert module that is not per-expert paged")
-        else:
-            glu[key] = child  # the activation (module or function): the family's own object
-    missing = [p for p in PROJECTIONS if p not in glu]
-    if missing:
-        raise ValueError(f"{layout.prefix}: the expert module has no {', '.join(missing)}")
+        # projections over slabs; the activation (module or function) is the family's own object
+        glu[key] = _mirror_linear(layout, slabs, key, child) if key in PROJECTIONS else child
     glu.freeze()
     return glu

@@ -23,13 +23,17 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Replace --out if it exists (atomically)."),
     ):
         """Pack a checkpoint: one contiguous, 16 KiB-aligned, checksummed record per expert."""
-        from runtime.decode import check_supported
+        from runtime.decode import check_supported, lazy_structure, match_expert_modules
         from storage import ExpertStore
         from storage.packer import convert as pack
 
         source = ExpertStore.open(src)
-        check_supported(source.config, src / "config.json")
-        source.close()
+        try:
+            check_supported(source.config, src / "config.json")
+            # the stored expert tensors are exactly the model's expert modules, runnable over slabs
+            match_expert_modules(lazy_structure(src), source.layouts(), src)
+        finally:
+            source.close()
         if dst.exists() and not force:
             raise ValueError(f"destination {dst} exists; pass --force to replace it")
         with progress_bar(TextColumn("[bold]packing experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -48,7 +52,8 @@ def register(app: typer.Typer) -> None:
         """Layers, experts, bytes per expert, resident vs expert bytes, and what fits a budget.
 
         Exits 2 (after the table) when specmoe cannot run the model."""
-        from runtime.decode import check_supported, text_config, top_k
+        from runtime.decode import check_supported, describe_expert_module, lazy_structure, match_expert_modules
+        from runtime.decode import text_config, top_k
         from storage import ExpertStore
 
         store = ExpertStore.open(model)
@@ -70,6 +75,8 @@ def register(app: typer.Typer) -> None:
             unsupported = None
             try:
                 check_supported(store.config, model)
+                matched = match_expert_modules(lazy_structure(store.model_dir), layouts, model)
+                facts["expert_class"] = describe_expert_module(matched[first.layer][1], first) if first else None
             except ValueError as e:
                 facts["supported"], unsupported = False, e
             table = Table(title=f"{model}", show_header=False)

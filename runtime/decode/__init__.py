@@ -13,6 +13,7 @@ never saw it.
 
 from runtime.decode.drafter import DraftResult, Drafter, ModelDrafter
 from runtime.decode.families import check_supported, text_config, top_k
+from runtime.decode.moe_blocks import describe_expert_module, find_expert_modules, lazy_structure, match_expert_modules
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.decode.one_sync import OneSyncModel, OneSyncPass
 from runtime.decode.pairing import default_projection_path, load_drafter, make_drafter
@@ -23,6 +24,7 @@ from runtime.decode.speculative_run import release_drafter, run_speculative, spe
 from runtime.decode.taps import HiddenTaps
 
 __all__ = [
+    "describe_expert_module", "find_expert_modules", "lazy_structure", "match_expert_modules",
     "DraftResult", "Drafter", "ModelDrafter", "check_supported", "text_config", "top_k", "OffloadConfig",
     "OffloadedModel", "OneSyncModel", "OneSyncPass", "default_projection_path", "load_drafter", "make_drafter",
     "GenerationStats", "encode_prompt", "generate_tokens", "SpecConfig", "SpecStats", "SpeculativeDecoder",

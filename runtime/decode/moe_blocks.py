@@ -19,9 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+from runtime.cache import check_expert_module
+from storage import LayerLayout, StoreError
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -36,6 +41,47 @@ def is_expert_module(module) -> bool:
 def find_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Module path -> expert module, for every SwitchGLU-like module of `model`."""
     return {path: m for path, m in model.named_modules() if is_expert_module(m)}
+
+
+def match_expert_modules(model: nn.Module, layouts: dict[int, LayerLayout], where) -> dict[int, tuple[str, nn.Module]]:
+    """MoE layer -> (path, stock expert module): the model's expert modules and the stored expert
+    tensors name each other one to one, and each module can run over slabs of its layout.
+    Raises StoreError naming the module otherwise."""
+    found = find_expert_modules(model)
+    by_prefix = {lay.prefix: lay for lay in layouts.values()}
+    for prefix in by_prefix:
+        if prefix not in found:
+            raise StoreError(where, "expert tensors have no matching SwitchGLU-like module in the mlx-lm model", tensor=prefix)
+    out = {}
+    for path, module in sorted(found.items()):
+        lay = by_prefix.get(path)
+        if lay is None:
+            raise StoreError(where, "missing expert tensors for this MoE block", tensor=f"{path}.gate_proj.weight")
+        try:
+            check_expert_module(lay, module)
+        except ValueError as e:
+            raise StoreError(where, str(e), tensor=path) from None
+        out[lay.layer] = (path, module)
+    return out
+
+
+def lazy_structure(model_dir: Path) -> nn.Module:
+    """The mlx-lm model of a checkpoint or store directory, built lazily (no weight is evaluated)."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_dir), lazy=True, strict=False)
+    return model
+
+
+def describe_expert_module(module: nn.Module, layout: LayerLayout) -> str:
+    """e.g. 'SwitchGLU(SwigluOAI; mxfp4 4-bit g32, bias)': the module's class and activation, the
+    stored quantization (a model built from a packed store has no expert tensors to quantize)."""
+    q = layout.quant["gate_proj"]
+    quant = "unquantized" if q is None else f"{q.mode} {q.bits}-bit g{q.group_size}"
+    act = module.get("activation", getattr(module, "activation", None))
+    act_name = getattr(act, "__name__", type(act).__name__)
+    bias = ", bias" if any(t.name == "gate_proj.bias" for t in layout.tensors) else ""
+    return f"{type(module).__name__}({act_name}; {quant}{bias})"
 
 
 def _gate_logits(gate) -> Callable[[mx.array], mx.array] | nn.Module:

@@ -27,7 +27,7 @@ from runtime.cache import BudgetPlan, kv_bytes_estimate, parse_budget, plan_budg
 from runtime.cache import CachedSwitchGLU
 from runtime.cache import ExpertCache
 from runtime.decode.families import check_supported, top_k
-from runtime.decode.moe_blocks import block_info, find_expert_modules
+from runtime.decode.moe_blocks import block_info, match_expert_modules
 from runtime.cache import GovernorConfig, MemoryGovernor
 from runtime.observe import Telemetry
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
@@ -118,22 +118,11 @@ class OffloadedModel:
 
     @staticmethod
     def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:
-        by_prefix = {lay.prefix: lay for lay in layouts.values()}
-        stock = sorted(find_expert_modules(model).items())
-        found = {p for p, _ in stock}
-        for prefix in by_prefix:
-            if prefix not in found:
-                raise StoreError(store.model_dir, "expert tensors have no matching SwitchGLU in the mlx-lm model", tensor=prefix)
         modules = {}
-        for path, module in stock:
-            lay = by_prefix.get(path)
-            if lay is None:
-                raise StoreError(store.model_dir, "missing expert tensors for this MoE block", tensor=f"{path}.gate_proj.weight")
-            try:
-                modules[lay.layer] = CachedSwitchGLU(lay.layer, lay, cache, module.activation, like=module)
-            except ValueError as e:
-                raise StoreError(store.model_dir, str(e), tensor=path) from None
-            _set_module(model, path, modules[lay.layer])
+        for layer, (path, module) in match_expert_modules(model, layouts, store.model_dir).items():
+            lay = layouts[layer]
+            modules[layer] = CachedSwitchGLU(layer, lay, cache, module.activation, like=module)
+            _set_module(model, path, modules[layer])
         return modules
 
     @staticmethod
