@@ -85,7 +85,7 @@ def test_expert_tensors_that_do_not_match_the_model_module_are_refused(tiny_dirs
     for proj in ("gate_proj", "up_proj", "down_proj"):
         del weights[f"model.layers.1.mlp.experts.{proj}.bias"]
     mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
-    code, out, err = run_cli(["convert", str(src), str(tmp_path / "dst")])
+    code, out, err = run_cli(["convert", "-m", str(src), "--out", str(tmp_path / "dst")])
     _check_one_line_error(code, out, err, "model.layers.1.mlp.experts", "bias")
     assert not (tmp_path / "dst").exists()
     code, out, err = run_cli(["generate", "-m", str(src), "-p", "hi", "-n", "2"])
