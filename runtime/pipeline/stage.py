@@ -125,7 +125,7 @@ class Stage:
                 stock = _module(model, lay.prefix)
                 if not isinstance(stock, SwitchGLU):
                     raise StoreError(store.model_dir, "expert tensors have no matching SwitchGLU in the mlx-lm model", tensor=lay.prefix)
-                modules[l] = CachedSwitchGLU(l, lay, cache, stock.activation)
+                modules[l] = CachedSwitchGLU(l, lay, cache, stock.activation, like=stock)  # the family's own class
                 parent, _, leaf = lay.prefix.rpartition(".")
                 setattr(_module(model, parent), leaf, modules[l])
             keep = []
