@@ -75,6 +75,15 @@ def test_three_ranks_speculative_greedy_equals_plain_greedy(tmp_path):
     for r in stats["ranks"]:
         assert r["timer"]["n_forecast_keys"] > 0  # every rank got forecasts for its own layers
         assert r["counters"]["prefetch_hits"] > 0  # ...and its loader's prefetches were used
+        if r["rank"] > 0:  # rank 0 also holds the drafter, its caches and the forecaster's router bank
+            assert r["active_bytes"] < r["resident_bytes"] + r["cache_bytes"] + 1_000_000, r  # its share, not the model
+    # the three caches split the one-process budget by layers (50% of each rank's own experts)
+    from runtime.decode import OffloadConfig, OffloadedModel
+
+    om = OffloadedModel.load(TINY / "target", OffloadConfig(budget="50%", governor=None))
+    assert sum(r["cache_bytes"] for r in stats["ranks"]) == om.plan.budget_bytes
+    assert [r["layers"] for r in stats["ranks"]] == [[0, 1], [2, 4], [5, 7]]
+    om.close()
 
 
 def test_hybrid_speculative_rewinds_through_two_ranks(tmp_path):
