@@ -130,3 +130,11 @@ def test_fingerprint_tells_stores_apart(packed_dirs, tiny_dirs, tiny_qwen):
     again = store_fingerprint(ExpertStore.open(packed_dirs["qwen3_moe"]))
     assert fps["packed"] == again
     assert len(set(fps.values())) == 3  # a packed copy, the raw checkpoint, another seed
+
+
+def test_pipeline_outside_mlx_launch_is_a_one_line_error():
+    from tests.conftest import run_cli
+
+    code, out, err = run_cli(["generate", "-m", "runtime/data/tiny/target", "-p", "hi", "--pipeline"])
+    assert code == 2 and out == ""
+    assert "--pipeline: this process is not part of an mlx.launch group" in err and "mlx.launch -n N" in err
