@@ -11,8 +11,10 @@ resident model.
 Invariants:
 - Before a call touches the slabs, every earlier output of this module has been
   evaluated and its slots unpinned (so eviction never races a pending graph).
-- A call whose unique experts exceed the usable slots is split into token groups
-  that each fit; each group is evaluated before the next one may evict its slots.
+- A call whose unique experts exceed the usable slots, or a prefill-sized call with
+  experts to read, runs expert-major (runtime/cache/expert_major.py): each unique expert
+  read once, reads overlapping compute. Other calls too large for the slots would be
+  split into token groups that each fit (split_by_capacity).
 - A normal call reads the router's choice back to the host (one sync per MoE layer);
   inside an OneSyncPass the lookup happens on the device and the pass syncs once.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
@@ -28,6 +30,7 @@ import numpy as np
 
 from metal import window_switch_glu
 from runtime.cache.expert_cache import ExpertCache
+from runtime.cache.expert_major import expert_major_call, wants_expert_major
 from runtime.cache.slab_switch import slab_switch_glu
 from storage import LayerLayout
 
@@ -90,6 +93,11 @@ class CachedSwitchGLU(nn.Module):
             self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))
         k = ids.shape[-1]
         flat = ids.reshape(-1, k)
+        if wants_expert_major(self.cache, self.layer, flat):  # prefill: each expert read once (expert_major.py)
+            out, calls = expert_major_call(self.cache, self.layer, self.switch, x, ids)
+            if self.telemetry is not None:
+                self.telemetry.on_call(self.layer, flat, calls)
+            return out
         groups = split_by_capacity(flat, self.cache.usable_slots(self.layer))
         calls: list = []
         if len(groups) == 1:

@@ -388,3 +388,9 @@ class ExpertCache:
             missing = sorted(set(np.asarray(expert_ids)[slots < 0].tolist()))
             raise RuntimeError(f"layer {layer}: slot_ids() of non-resident experts {missing}")
         return slots
+
+    def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The ids among `experts` that are neither valid nor loading in `layer` (a read would be needed)."""
+        experts = np.asarray(experts, np.int64)
+        with self._lock:
+            return experts[self.table.layers[layer].expert_to_slot[experts] < 0]
