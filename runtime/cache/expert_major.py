@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-PREFILL_MIN_TOKENS = 16  # calls of at least this many tokens with an absent expert go expert-major
+PREFILL_MIN_TOKENS = 64  # calls of at least this many tokens with an absent expert go expert-major (verify windows are far smaller)
 SORT_MIN_PAIRS = 64  # mlx-lm's SwitchGLU sorts its (token, expert) pairs from this many on
 
 

@@ -110,8 +110,11 @@ def register(app: typer.Typer) -> None:
             err_console.print(describe_plan(om), highlight=False)
             ids = prompt_ids(om.tokenizer, prompt, system_prompt, chat=chat)
             tokens = []
+            from runtime.observe import PrefillProgress
+
             for r in stream_generate(engine, ids, max_tokens, temp=temp, top_p=top_p,
-                                       top_k=top_k, min_p=min_p, seed=seed, one_sync=one_sync):
+                                     top_k=top_k, min_p=min_p, seed=seed, one_sync=one_sync,
+                                     progress=PrefillProgress(len(ids))):
                 tokens.append(r.token)
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
@@ -127,6 +130,8 @@ def register(app: typer.Typer) -> None:
                 result.update(draft=str(draft), num_draft=d.num_draft, predictor=d.predictor, cutoff=d.cutoff,
                               policy=engine.policy)
             err_console.print(line, highlight=False)
+            if stats.prefill is not None:
+                err_console.print(stats.prefill.line(), highlight=False)
             if json_path:
                 result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
                 if om.governor is not None:

@@ -18,6 +18,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from runtime.decode.prefill import PrefillMeter, PrefillStats
+
 
 @dataclass
 class GenerationStats:
@@ -35,6 +37,7 @@ class GenerationStats:
     peak_memory_bytes: int  # MLX allocator peak during the run
     one_sync_tries: int = 0  # decode steps tried with one host sync (runtime/decode/one_sync.py)
     one_sync_fallbacks: int = 0  # of those, steps that met an absent expert and ran again normally
+    prefill: PrefillStats | None = None  # the prompt: tokens/s, reads, bytes, reads per routed expert
 
     def line(self) -> str:
         return (f"{self.tokens_per_s:.1f} tok/s | hit rate {self.hit_rate:.1%} | "
@@ -52,11 +55,11 @@ def _counters(om) -> dict:
 
 def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
                     eos_ids=(), om=None, on_token: Callable[[int], None] | None = None,
-                    one_sync: str = "auto", sampler=None) -> tuple[list[int], GenerationStats]:
+                    one_sync: str = "auto", sampler=None, progress=None) -> tuple[list[int], GenerationStats]:
     """All of stream_tokens at once: (tokens, stats); on_token(token) is called as each arrives."""
     tokens: list[int] = []
     run = stream_tokens(model, prompt_ids, max_tokens=max_tokens, temp=temp, top_p=top_p, eos_ids=eos_ids, om=om,
-                        one_sync=one_sync, sampler=sampler)
+                        one_sync=one_sync, sampler=sampler, progress=progress)
     while True:
         try:
             token = next(run)
@@ -68,12 +71,14 @@ def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: floa
 
 
 def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
-                  eos_ids=(), om=None, one_sync: str = "auto", sampler=None) -> Generator[int, None, GenerationStats]:
+                  eos_ids=(), om=None, one_sync: str = "auto", sampler=None,
+                  progress=None) -> Generator[int, None, GenerationStats]:
     """Yield up to `max_tokens` token ids after `prompt_ids`; the generator returns the run's stats.
 
     `om` (an OffloadedModel) supplies paging counters and, unless one_sync is "off", its decode steps
     are tried with one host sync (OneSyncModel; "auto" backs off while they fail, "on" always tries).
-    `sampler` (mlx-lm's make_sampler) overrides temp/top_p."""
+    `sampler` (mlx-lm's make_sampler) overrides temp/top_p. `progress` (a PrefillProgress) shows the
+    prompt's processing; the stats' `prefill` says what it cost (runtime/decode/prefill.py)."""
     if one_sync not in ("auto", "on", "off"):
         raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
     if max_tokens < 1:
@@ -91,14 +96,21 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     c0 = _counters(om)
     t0 = time.perf_counter()
     tokens, t_first, c1 = [], None, None
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler):
-        token = int(token)
-        if t_first is None:
-            t_first, c1 = time.perf_counter(), _counters(om)
-        tokens.append(token)
-        yield token
-        if token in eos_ids:
-            break
+    meter, prefill = PrefillMeter(om, len(prompt_ids), progress).start(), None
+    try:
+        for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler,
+                                      prompt_progress_callback=meter.on_chunk):
+            token = int(token)
+            if t_first is None:
+                t_first, c1 = time.perf_counter(), _counters(om)
+                prefill = meter.stop()
+            tokens.append(token)
+            yield token
+            if token in eos_ids:
+                break
+    finally:
+        if prefill is None:
+            meter.stop()  # restores the modules' observers
     t_end = time.perf_counter()
     c2 = _counters(om)
     n_decode = max(0, len(tokens) - 1)
@@ -118,6 +130,7 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         peak_memory_bytes=mx.get_peak_memory(),
         one_sync_tries=one_sync_model.stats.tries if one_sync_model else 0,
         one_sync_fallbacks=one_sync_model.stats.fallbacks if one_sync_model else 0,
+        prefill=prefill,
     )
 
 

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps, ExpertForecast
 from runtime.decode.drafter import ModelDrafter
+from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.one_sync import OneSyncGate, OneSyncPass, gated_forward, roll_back, snapshot_untrimmable
 from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities
 from storage import ExpertKey
@@ -90,6 +91,7 @@ class SpecStats:
     per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
     prefetch_layers: list[int] = field(default_factory=list)  # the MoE layers forecasts were prefetched for
     counters: dict[str, float] = field(default_factory=dict)  # cache/loader counter deltas over the rounds
+    prefill: PrefillStats | None = None  # the prompt (all tokens but the last): tokens/s, reads, bytes
 
     @property
     def acceptance(self) -> float:
@@ -231,8 +233,9 @@ class SpeculativeDecoder:
         self.stats.rewind_s += time.perf_counter() - t0
 
     # -- the loop ------------------------------------------------------------------------
-    def prefill(self, prompt_ids: list[int]) -> int:
-        """Feed all prompt tokens but the last to both models; returns the pending token."""
+    def prefill(self, prompt_ids: list[int], on_chunk=None) -> int:
+        """Feed all prompt tokens but the last to both models; returns the pending token.
+        on_chunk(processed, total) after each chunk, as mlx-lm's prompt_progress_callback."""
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization; expected at least one token")
         head = prompt_ids[:-1]
@@ -240,6 +243,8 @@ class SpeculativeDecoder:
             self.target.label_round("prefill")
             self.target.model(mx.array(head[i : i + self.cfg.prefill_chunk])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
+            if on_chunk is not None:
+                on_chunk(min(i + self.cfg.prefill_chunk, len(head)), len(head))
         self.drafter.prefill(prompt_ids)
         return prompt_ids[-1]
 
@@ -263,21 +268,26 @@ class SpeculativeDecoder:
         self.stats.n_accepted += n
         return draft.tokens[:n] + [token]
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None) -> list[int]:
+    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None, progress=None) -> list[int]:
         """All of stream() at once; on_token(token) is called as each arrives."""
         out: list[int] = []
-        for token in self.stream(prompt_ids, max_tokens, eos_ids):
+        for token in self.stream(prompt_ids, max_tokens, eos_ids, progress=progress):
             out.append(token)
             if on_token:
                 on_token(token)
         return out
 
-    def stream(self, prompt_ids: list[int], max_tokens: int, eos_ids=()) -> Iterator[int]:
+    def stream(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), progress=None) -> Iterator[int]:
         """Yield up to `max_tokens` tokens after `prompt_ids`, a round's tokens as the round ends.
-        self.stats covers the run once the generator is exhausted or closed."""
+        self.stats covers the run once the generator is exhausted or closed. `progress`: a
+        PrefillProgress showing the prompt's processing."""
         if max_tokens < 1:
             raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
-        pending = self.prefill(prompt_ids)
+        meter = PrefillMeter(self.target, max(0, len(prompt_ids) - 1), progress).start()
+        try:
+            pending = self.prefill(prompt_ids, on_chunk=meter.on_chunk)
+        finally:
+            self.stats.prefill = meter.stop()
         c0 = self.target.counters()
         t0 = time.perf_counter()
         n_out = 0

@@ -12,6 +12,7 @@ never changes what the model computes; a `--json` file is written whole or not a
 from runtime.observe.analysis import layer_report
 from runtime.observe.profile import analyse, read_prompts, run_workload, trace_of
 from runtime.observe.profile_plot import plot_profile, pyplot
+from runtime.observe.prefill_progress import PrefillProgress
 from runtime.observe.progress import LineProgress, progress_bar
 from runtime.observe.report import console, err_console, fail, write_json
 from runtime.observe.routing_math import (
@@ -24,7 +25,8 @@ from runtime.observe.telemetry import Telemetry
 from runtime.observe.trace import RoutingTrace
 
 __all__ = [
-    "layer_report", "analyse", "read_prompts", "run_workload", "trace_of", "plot_profile", "pyplot", "LineProgress", "progress_bar", "console",
+    "layer_report", "PrefillProgress", "analyse", "read_prompts", "run_workload", "trace_of", "plot_profile", "pyplot",
+    "LineProgress", "progress_bar", "console",
     "err_console", "fail", "write_json", "expected_tokens_per_round", "fit_power_law_exponent",
     "power_law_hit_rate", "uniform_unique_experts", "Telemetry", "RoutingTrace",
 ]
