@@ -94,10 +94,14 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          predictor: str | None = None, cutoff: int | None = None, policy: str | None = None, threads: int = 4,
          io_mode: str = "buffered", verify: bool = True, memory_governor: bool = True,
          projection: str | Path | None = None, forecast_k: int | None = None,
-         max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "") -> Engine:
+         max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
+         memory_limit: str | None = "auto", context_tokens: int = 4096) -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
+    `memory_limit` ("12GB", "auto": the auto budget rule's memory, None: no cap) caps the whole process --
+    baseline, resident weights, KV and state at `context_tokens`, drafter, expert cache -- and the expert cache
+    gives slots back as the KV outgrows that context (runtime/cache/memory_limit.py).
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     notes = []
     settings = None
@@ -113,7 +117,9 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or "lru", threads=threads,
                                                   io_mode=io_mode, verify_checksums=verify,
                                                   governor=GovernorConfig() if memory_governor else None,
-                                                  telemetry=telemetry, inject=inject))
+                                                  telemetry=telemetry, inject=inject, memory_limit=memory_limit,
+                                                  context_tokens=context_tokens,
+                                                  drafter_bytes=_weights_bytes(draft) if draft is not None else 0))
     engine = Engine(om, settings, notes, policy or "lru")
     if settings is not None:
         try:
@@ -124,12 +130,21 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     return engine
 
 
+def _weights_bytes(path: str | Path) -> int:
+    """Bytes of a model directory's weight files (the drafter's share of a memory limit)."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
 def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 256, *, temp: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                    one_sync: str = "auto", progress=None) -> Iterator[GenerationResponse]:
+                    one_sync: str = "auto", progress=None, prompt_cache=None,
+                    kv_bits: int | None = None) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per emitted token; the last has finish_reason set. `progress`
     (a runtime.observe.PrefillProgress) shows the prompt's processing; the last response's
-    detail.prefill says what it cost (tokens/s, bytes read, reads per routed expert)."""
+    detail.prefill says what it cost (tokens/s, bytes read, reads per routed expert). `prompt_cache`
+    (runtime.decode.PromptCache, plain decoding only) keeps a conversation's KV cache and state: a
+    prompt that extends what it holds prefills only the new tokens. `kv_bits` (plain decoding) quantizes the
+    KV cache as mlx-lm does."""
     om, tokenizer = engine.model, engine.tokenizer
     if isinstance(prompt, str):  # as mlx-lm: no second BOS when the prompt already starts with one
         bos = getattr(tokenizer, "bos_token", None)
@@ -144,10 +159,12 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
         mx.random.seed(seed)
     eos = set(tokenizer.eos_token_ids)
     decoder = None
+    if (prompt_cache is not None or kv_bits) and engine.draft is not None:
+        raise ValueError("a prompt cache or kv_bits with a drafter: not supported yet; load without draft")
     if engine.draft is None:
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         tokens = stream_tokens(om.model, ids, max_tokens=max_tokens, eos_ids=eos, om=om, one_sync=one_sync,
-                               sampler=sampler, progress=progress)
+                               sampler=sampler, progress=progress, prompt_cache=prompt_cache, kv_bits=kv_bits)
     else:
         if temp > 0 and (top_k > 0 or min_p > 0):
             raise ValueError("top_k / min_p with a drafter at temp > 0: not supported yet; use top_p, or no drafter")

@@ -21,6 +21,15 @@ from runtime.cache.budget import (
 )
 from runtime.cache.cached_switch import CachedSwitchGLU
 from runtime.cache.cache_stats import CallStats
+from runtime.cache.context_governor import ContextGovernor
+from runtime.cache.memory_limit import (
+    DEFAULT_PREFILL_STEP,
+    MemoryLimit,
+    activation_bytes,
+    apply_memory_limit,
+    parse_memory_limit,
+    process_rss,
+)
 from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.governor import GovernorConfig, MemoryGovernor
 from runtime.cache.policy import make_policy
@@ -29,6 +38,7 @@ from runtime.cache.slot_table import SlotTable
 
 __all__ = [
     "HEADROOM_FRACTION", "HEADROOM_MIN_BYTES", "BudgetPlan", "BudgetSpec", "format_bytes", "kv_bytes_estimate",
-    "parse_budget", "plan_budget", "CachedSwitchGLU", "CallStats", "ExpertCache", "GovernorConfig", "MemoryGovernor",
-    "make_policy", "SlotTable", "check_expert_module", "slab_switch_glu",
+    "parse_budget", "plan_budget", "CachedSwitchGLU", "ContextGovernor", "DEFAULT_PREFILL_STEP", "MemoryLimit",
+    "activation_bytes", "apply_memory_limit", "parse_memory_limit", "process_rss", "CallStats", "ExpertCache",
+    "GovernorConfig", "MemoryGovernor", "make_policy", "SlotTable", "check_expert_module", "slab_switch_glu",
 ]

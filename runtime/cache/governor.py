@@ -120,6 +120,7 @@ class MemoryGovernor:
         self.cfg = cfg
         self.stats = GovernorStats()
         self._read = read
+        self.ceiling: int | None = None  # usable slots per layer another rule allows at most (ContextGovernor)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -130,6 +131,8 @@ class MemoryGovernor:
             n = self.cache.n_slots(layer)
             floor = min(self.cache.min_usable, n)
             out[layer] = floor + round(level * (n - floor))
+            if self.ceiling is not None:
+                out[layer] = min(out[layer], max(floor, self.ceiling))
         return out
 
     def tick(self) -> float:

@@ -20,6 +20,11 @@ def describe_plan(om) -> str:
         f"({plan.fraction:.0%} of {format_bytes(plan.expert_bytes_total)} of experts; minimum {format_bytes(plan.min_bytes)})",
         f"resident weights: {format_bytes(om.store.resident_bytes)} | store: {om.store.kind} {om.store.model_dir}",
     ]
+    if om.memory_limit is not None:
+        m = om.memory_limit
+        lines.append(f"memory limit: {format_bytes(m.limit_bytes)} (process before loading {format_bytes(m.baseline_bytes)}, "
+                     f"drafter {format_bytes(m.drafter_bytes)}); prefill chunks of {om.prefill_step} tokens; "
+                     f"expert slots give way as the KV cache grows")
     if plan.breakdown:
         lines.append("auto: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.breakdown.items() if v))
     return "\n".join(lines)
@@ -46,6 +51,23 @@ def prompt_ids(tokenizer, prompt: str, system_prompt: str | None, *, chat: bool)
     if system_prompt:
         raise ValueError("--system-prompt needs the tokenizer's chat template; drop --raw-prompt")
     return list(tokenizer.encode(prompt))
+
+
+def open_prompt_cache(path: Path, om, ids: list[int], *, speculative: bool):
+    """(PromptCache, the full prompt): the file's cache and its prompt + `ids` if it exists, else a new cache."""
+    from runtime.decode import PromptCache
+
+    if speculative:
+        raise ValueError("--prompt-cache with --draft: not supported yet; drop one of them")
+    if path.suffix != ".safetensors":
+        raise ValueError(f"--prompt-cache {path}: expected a file name ending in .safetensors")
+    digest = om.model_id()["digest"]
+    if path.exists():
+        pc, prefix = PromptCache.load(path, om.model, digest=digest)
+        return pc, prefix + ids
+    if not path.parent.is_dir():
+        raise ValueError(f"--prompt-cache {path}: directory {path.parent} does not exist")
+    return PromptCache(om.model, digest=digest), ids
 
 
 def register(app: typer.Typer) -> None:
@@ -79,6 +101,15 @@ def register(app: typer.Typer) -> None:
         json_path: Path = opt.json_option("Write the text and stats as JSON to this path."),
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),
+        prompt_cache_file: Path = typer.Option(None, "--prompt-cache",
+                                               help="Reuse a processed prompt prefix (KV cache and state) from this "
+                                                    "file; the prompt is appended to it. If the file does not exist, "
+                                                    "the prompt's prefix is processed and saved there (as mlx_lm.cache_prompt)."),
+        memory_limit: str = typer.Option("auto", "--memory-limit",
+                                         help="Cap on the whole process (weights, KV and state, drafter, expert cache): "
+                                              "12GB, 900MiB, auto (RAM or the GPU working set), or none. The expert "
+                                              "cache gives slots back as the KV cache grows."),
+        kv_bits: int = typer.Option(None, "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (mlx-lm's kv_bits; plain decoding)."),
         inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
         pipeline: bool = typer.Option(False, "--pipeline",
                                       help="Run as one stage of a pipeline over several processes or Macs; start every rank with "
@@ -98,11 +129,13 @@ def register(app: typer.Typer) -> None:
         prompt = opt.read_prompt(prompt)
         if num_draft is not None and num_draft < 1:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
+        if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"--kv-bits {kv_bits}; expected 4 or 8 (mlx-lm also takes 2, 3, 5, 6)")
         engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,
                       threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
                       projection=projection, forecast_k=forecast_k,
                       max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                      inject=inject or "")
+                      inject=inject or "", memory_limit=None if memory_limit.lower() == "none" else memory_limit)
         with engine:
             om = engine.model
             for note in engine.notes:
@@ -112,9 +145,12 @@ def register(app: typer.Typer) -> None:
             tokens = []
             from runtime.observe import PrefillProgress
 
+            pc = None
+            if prompt_cache_file is not None:
+                pc, ids = open_prompt_cache(prompt_cache_file, om, ids, speculative=engine.draft is not None)
             for r in stream_generate(engine, ids, max_tokens, temp=temp, top_p=top_p,
                                      top_k=top_k, min_p=min_p, seed=seed, one_sync=one_sync,
-                                     progress=PrefillProgress(len(ids))):
+                                     progress=PrefillProgress(len(ids)), prompt_cache=pc, kv_bits=kv_bits):
                 tokens.append(r.token)
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
@@ -132,6 +168,10 @@ def register(app: typer.Typer) -> None:
             err_console.print(line, highlight=False)
             if stats.prefill is not None:
                 err_console.print(stats.prefill.line(), highlight=False)
+            if pc is not None and not prompt_cache_file.exists():
+                pc.reuse(ids)  # back to the prompt's prefix (its last token not yet fed): trim, or its snapshot
+                pc.save(prompt_cache_file, prompt=ids)
+                err_console.print(f"wrote prompt cache {prompt_cache_file} ({len(pc.tokens)} tokens)", highlight=False)
             if json_path:
                 result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
                 if om.governor is not None:

@@ -18,6 +18,7 @@ from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.decode.one_sync import OneSyncModel, OneSyncPass
 from runtime.decode.pairing import default_projection_path, load_drafter, make_drafter
 from runtime.decode.prefill import PrefillMeter, PrefillStats
+from runtime.decode.prompt_cache import PromptCache
 from runtime.decode.plain import GenerationStats, encode_prompt, generate_tokens, stream_tokens
 from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities
 from runtime.decode.speculative import SpecConfig, SpecStats, SpeculativeDecoder
@@ -28,7 +29,7 @@ __all__ = [
     "describe_expert_module", "find_expert_modules", "lazy_structure", "match_expert_modules",
     "DraftResult", "Drafter", "ModelDrafter", "check_supported", "text_config", "top_k", "OffloadConfig",
     "OffloadedModel", "OneSyncModel", "OneSyncPass", "default_projection_path", "load_drafter", "make_drafter",
-    "PrefillMeter", "PrefillStats", "GenerationStats", "encode_prompt", "generate_tokens", "SpecConfig", "SpecStats",
-    "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter", "stream_tokens", "HiddenTaps",
-    "accept_greedy", "accept_sampled", "probabilities",
+    "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens", "SpecConfig",
+    "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter", "stream_tokens",
+    "HiddenTaps", "accept_greedy", "accept_sampled", "probabilities",
 ]

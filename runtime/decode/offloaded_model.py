@@ -29,6 +29,7 @@ from runtime.cache import ExpertCache
 from runtime.decode.families import check_supported, top_k
 from runtime.decode.moe_blocks import block_info, match_expert_modules
 from runtime.cache import GovernorConfig, MemoryGovernor
+from runtime.cache import DEFAULT_PREFILL_STEP, ContextGovernor, apply_memory_limit, process_rss
 from runtime.observe import Telemetry
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
 from storage.faults import FaultyReader, parse_faults
@@ -49,6 +50,8 @@ class OffloadConfig:
     trace: bool = False  # also keep every token's routing for a trace file
     governor: GovernorConfig | None = None  # shrink the cache when RAM runs low (None: off)
     inject: str = ""  # debug only: storage.faults spec of disk faults to inject ("": none)
+    memory_limit: str | None = None  # --memory-limit: cap on the whole process ("auto", "12GB"); None: none
+    drafter_bytes: int = 0  # the drafter's weights, counted against the memory limit
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -79,12 +82,16 @@ class OffloadedModel:
         self.modules = modules  # MoE layer -> its cache-backed expert module
         self.telemetry = telemetry  # per-round records fed by the modules (None when disabled)
         self.governor = governor  # memory governor resizing the cache (None when off)
+        self.memory_limit = None  # the MemoryLimit of --memory-limit (None: no limit)
+        self.context_governor = None  # gives back expert slots as the KV grows under the limit (None: no limit)
+        self.prefill_step = DEFAULT_PREFILL_STEP  # prompt tokens per prefill chunk (smaller only when the limit needs it)
         for m in modules.values():
             m.telemetry = telemetry
 
     @classmethod
     def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
         faults = parse_faults(cfg.inject) if cfg.inject else None  # a bad spec is refused before anything opens
+        baseline = process_rss()  # the process before the model: counted against --memory-limit
         store = ExpertStore.open(path, io_mode=cfg.io_mode)
         check_supported(store.config, Path(path) / "config.json")
         layouts = store.layouts()
@@ -98,6 +105,16 @@ class OffloadedModel:
             resident_bytes=store.resident_bytes,
             kv_bytes=kv_bytes_estimate(store.config, cfg.context_tokens),
         )
+        limit, step = None, DEFAULT_PREFILL_STEP
+        if cfg.memory_limit is not None:
+            try:
+                plan, limit, step, kv_per_token = apply_memory_limit(
+                    plan, cfg.memory_limit, config=store.config, layouts=layouts, resident_bytes=store.resident_bytes,
+                    context_tokens=cfg.context_tokens, drafter_bytes=cfg.drafter_bytes, top_k=top_k(store.config),
+                    baseline_bytes=baseline)
+            except BaseException:
+                store.close()
+                raise
         reader = FaultyReader(RangeReader(cfg.io_mode), faults, store) if faults else None
         loader = AsyncLoader(store, LoaderConfig(threads=cfg.threads, io_mode=cfg.io_mode, verify_checksums=cfg.verify_checksums),
                              reader=reader)
@@ -114,7 +131,12 @@ class OffloadedModel:
             raise
         telemetry = Telemetry(sorted(modules), trace=cfg.trace) if cfg.telemetry or cfg.trace else None
         governor = MemoryGovernor(cache, cfg.governor).start() if cfg.governor is not None else None
-        return cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry, governor)
+        om = cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry, governor)
+        om.prefill_step = step
+        if limit is not None:
+            om.memory_limit = limit
+            om.context_governor = ContextGovernor(cache, limit, store.config, step, governor, kv_per_token)
+        return om
 
     @staticmethod
     def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:

@@ -16,8 +16,10 @@ from typing import Callable, Generator
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from runtime.cache import DEFAULT_PREFILL_STEP
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 
 
@@ -55,11 +57,13 @@ def _counters(om) -> dict:
 
 def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
                     eos_ids=(), om=None, on_token: Callable[[int], None] | None = None,
-                    one_sync: str = "auto", sampler=None, progress=None) -> tuple[list[int], GenerationStats]:
+                    one_sync: str = "auto", sampler=None, progress=None,
+                    prompt_cache=None, kv_bits: int | None = None) -> tuple[list[int], GenerationStats]:
     """All of stream_tokens at once: (tokens, stats); on_token(token) is called as each arrives."""
     tokens: list[int] = []
     run = stream_tokens(model, prompt_ids, max_tokens=max_tokens, temp=temp, top_p=top_p, eos_ids=eos_ids, om=om,
-                        one_sync=one_sync, sampler=sampler, progress=progress)
+                        one_sync=one_sync, sampler=sampler, progress=progress, prompt_cache=prompt_cache,
+                        kv_bits=kv_bits)
     while True:
         try:
             token = next(run)
@@ -72,13 +76,17 @@ def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: floa
 
 def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
                   eos_ids=(), om=None, one_sync: str = "auto", sampler=None,
-                  progress=None) -> Generator[int, None, GenerationStats]:
+                  progress=None, prompt_cache=None, kv_bits: int | None = None) -> Generator[int, None, GenerationStats]:
     """Yield up to `max_tokens` token ids after `prompt_ids`; the generator returns the run's stats.
 
     `om` (an OffloadedModel) supplies paging counters and, unless one_sync is "off", its decode steps
     are tried with one host sync (OneSyncModel; "auto" backs off while they fail, "on" always tries).
     `sampler` (mlx-lm's make_sampler) overrides temp/top_p. `progress` (a PrefillProgress) shows the
-    prompt's processing; the stats' `prefill` says what it cost (runtime/decode/prefill.py)."""
+    prompt's processing; the stats' `prefill` says what it cost (runtime/decode/prefill.py).
+    `prompt_cache` (a PromptCache) keeps the KV cache and state across calls: the prefix it already
+    holds is not prefilled again, and it holds this prompt and the tokens yielded afterwards. `kv_bits`
+    quantizes the KV cache as mlx-lm does (from its quantized_kv_start on); an OffloadedModel with a
+    memory limit prefills in its `prefill_step` chunks and gives expert slots back as the KV grows."""
     if one_sync not in ("auto", "on", "off"):
         raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
     if max_tokens < 1:
@@ -86,6 +94,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenization; expected at least one token")
     sampler = sampler or make_sampler(temp=temp, top_p=top_p)
+    kv_options = {"kv_bits": kv_bits} if kv_bits else {}
+    forward = model  # prefill chunks run here (a prompt cache prefills itself)
     one_sync_model = None
     if om is not None and one_sync != "off":
         from runtime.decode.one_sync import OneSyncGate, OneSyncModel
@@ -96,21 +106,51 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     c0 = _counters(om)
     t0 = time.perf_counter()
     tokens, t_first, c1 = [], None, None
-    meter, prefill = PrefillMeter(om, len(prompt_ids), progress).start(), None
+    reused = prompt_cache.reuse(prompt_ids) if prompt_cache is not None else 0
+    meter, prefill = PrefillMeter(om, len(prompt_ids) - reused, progress).start(), None
+    limit = om.context_governor if om is not None else None  # --memory-limit: slots give way as the KV grows
+    step = om.prefill_step if om is not None else DEFAULT_PREFILL_STEP
+    kv = prompt_cache.cache if prompt_cache is not None else (make_prompt_cache(forward) if limit else None)
+    on_chunk = meter.on_chunk
+    if limit is not None:
+        def on_chunk(done: int, total: int) -> None:
+            meter.on_chunk(done, total)
+            now = reused + done
+            limit.observe(kv, now, min(now + step, len(prompt_ids)) + 1)
+    ok = False
     try:
-        for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler,
-                                      prompt_progress_callback=meter.on_chunk):
+        if prompt_cache is None:
+            steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler,
+                                  prompt_progress_callback=on_chunk, prefill_step_size=step, prompt_cache=kv,
+                                  **kv_options)
+        else:  # the same chunks as generate_step's prefill, into the kept cache; then the last token
+            last = prompt_cache.prefill(forward, prompt_ids, on_chunk=on_chunk, step=step, kv_options=kv_options)
+            steps = generate_step(mx.array([last]), model, max_tokens=max_tokens, sampler=sampler,
+                                  prompt_cache=prompt_cache.cache, **kv_options)
+        for token, _ in steps:
             token = int(token)
             if t_first is None:
                 t_first, c1 = time.perf_counter(), _counters(om)
                 prefill = meter.stop()
+                prefill.reused_tokens = reused
             tokens.append(token)
+            if limit is not None and len(tokens) % 32 == 0:
+                limit.observe(kv, len(prompt_ids) + len(tokens), len(prompt_ids) + len(tokens) + 32)
             yield token
             if token in eos_ids:
                 break
+        ok = True
+    except GeneratorExit:
+        ok = True  # closed by the consumer after a token: generate_step fed every token it yielded
+        raise
     finally:
         if prefill is None:
             meter.stop()  # restores the modules' observers
+        if prompt_cache is not None:
+            if ok and t_first is not None:
+                prompt_cache.extend([prompt_ids[-1]] + tokens)
+            else:
+                prompt_cache.reset()  # an error mid-way: what the caches hold is unknown
     t_end = time.perf_counter()
     c2 = _counters(om)
     n_decode = max(0, len(tokens) - 1)

@@ -30,9 +30,12 @@ class PrefillStats:
     unique_experts: int = 0  # sum over MoE calls of the call's distinct experts (the least that must be read)
     unique_bytes: int = 0  # bytes of those
     reads_per_unique_expert: float = 0.0  # reads / unique_experts (<= 1: nothing read twice in a call)
+    reused_tokens: int = 0  # prompt tokens a PromptCache already held (not prefilled, not in n_tokens)
 
     def line(self) -> str:
         s = f"prefill {self.n_tokens} tok in {self.seconds:.2f} s ({self.tokens_per_s:.0f} tok/s)"
+        if self.reused_tokens:
+            s += f" after {self.reused_tokens} cached"
         if self.unique_experts:
             s += (f", {self.bytes_read / 1e6:.1f} MB read ({self.reads} reads, "
                   f"{self.reads_per_unique_expert:.2f} per routed expert)")

@@ -1,0 +1,67 @@
+"""ContextGovernor: as the KV cache grows, the expert cache gives back slots to stay under the memory limit.
+
+The budget planned at load assumed a context; a conversation can outgrow it. Before each prefill
+chunk and every few decoded tokens the decoder reports the KV/state bytes it holds and the context
+it is about to reach; the governor turns MemoryLimit.expert_room into usable slots per layer
+(one slot in every layer costs the sum of the layers' expert bytes) and requests them from the
+ExpertCache, which applies them between calls and hands the freed slots' pages back to the OS
+where it can. When the KV shrinks (a new conversation), slots come back, up to the planned budget.
+
+Invariants: usable slots stay within [top-k, planned slots]; a request never exceeds what the RAM
+MemoryGovernor currently allows (its `ceiling`); tokens are unchanged by any resize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.cache.memory_limit import MemoryLimit
+
+
+@dataclass
+class ContextGovernorStats:
+    n_updates: int = 0  # KV reports received
+    n_shrinks: int = 0  # requests that lowered the usable slots
+    n_grows: int = 0  # requests that raised them
+    usable: int = 0  # usable slots per layer last requested
+    kv_bytes: int = 0  # last KV report
+
+
+class ContextGovernor:
+    def __init__(self, cache, limit: MemoryLimit, config: dict, step: int, memory_governor=None, kv_per_token: int = 0):
+        self.cache = cache  # ExpertCache
+        self.limit = limit
+        self.config = config
+        self.step = step  # prefill chunk (tokens) the limit allows
+        self.memory_governor = memory_governor  # the RAM governor, whose current level also caps the slots
+        self.kv_per_token = kv_per_token  # KV bytes one more token adds (attention layers)
+        self.layers = cache.layers()
+        self.row_bytes = sum(cache.layouts[l].expert_bytes for l in self.layers)  # one slot in every layer
+        self.max_slots = min(cache.n_slots(l) for l in self.layers)
+        self.stats = ContextGovernorStats(usable=self.max_slots)
+
+    def slots_for(self, kv_bytes: int, context: int) -> int:
+        room = self.limit.expert_room(self.config, kv_bytes, context, self.step)
+        return max(self.cache.min_usable, min(self.max_slots, room // self.row_bytes))
+
+    def observe(self, caches, tokens_now: int, tokens_next: int) -> int:
+        """Before growing mlx-lm `caches` from `tokens_now` to `tokens_next` tokens: what they hold now plus
+        the growth (and one 256-token allocation step of KVCache) at kv_per_token."""
+        kv = sum(c.nbytes for c in caches) + (max(0, tokens_next - tokens_now) + 256) * self.kv_per_token
+        return self.update(kv, tokens_next)
+
+    def update(self, kv_bytes: int, context: int) -> int:
+        """The KV/state bytes about to be held at `context` tokens; returns the usable slots requested."""
+        s = self.stats
+        s.n_updates += 1
+        s.kv_bytes = kv_bytes
+        n = self.slots_for(kv_bytes, context)
+        if self.memory_governor is not None:
+            self.memory_governor.ceiling = n  # its later grows stop here
+            n = min(self.memory_governor.usable_for(self.memory_governor.stats.level).values())
+        if n != s.usable:
+            s.n_shrinks += n < s.usable
+            s.n_grows += n > s.usable
+            s.usable = n
+            self.cache.request_usable_slots(n)
+        return n

@@ -1,0 +1,100 @@
+"""--memory-limit (runtime/cache/memory_limit.py, context_governor.py): one cap on the process, the expert
+cache planned inside it and giving back slots as the KV cache grows, tokens unchanged."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm import load
+
+from runtime.cache import ContextGovernor, MemoryLimit, activation_bytes, parse_memory_limit
+from runtime.decode import generate_tokens
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from tests.conftest import PROMPT, greedy_ids, run_cli
+
+
+def test_parse_memory_limit():
+    assert parse_memory_limit("auto") is None and parse_memory_limit(None) is None
+    assert parse_memory_limit("1.5GB") == 1_500_000_000 and parse_memory_limit("900MiB") == 900 * 1024**2
+    for bad in ("40%", "lots", "-1GB"):
+        with pytest.raises(ValueError, match="--memory-limit"):
+            parse_memory_limit(bad)
+
+
+def test_prefill_chunk_shrinks_only_when_its_activations_do_not_fit():
+    cfg = {"num_attention_heads": 32, "hidden_size": 2048, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+    roomy = MemoryLimit(64 * 10**9, 10**9, 10**9)
+    tight = MemoryLimit(8 * 10**9, 10**9, 3 * 10**9)
+    assert roomy.prefill_step(cfg, context=8192, kv_bytes=10**9) == 2048  # stock chunking when it fits
+    step = tight.prefill_step(cfg, context=32768, kv_bytes=5 * 10**8)
+    assert 16 <= step < 2048
+    share = 0.25 * tight.free_for_context(5 * 10**8)
+    assert activation_bytes(cfg, step, 32768) <= share < activation_bytes(cfg, 2 * step, 32768)
+    # More KV leaves less for the experts.
+    assert tight.expert_room(cfg, 10**8, 4096, 2048) > tight.expert_room(cfg, 2 * 10**8, 4096, 2048)
+
+
+def test_limit_shrinks_the_planned_cache_and_a_too_small_limit_is_refused(tiny_dirs):
+    path = tiny_dirs["qwen3_moe"]
+    full = OffloadedModel.load(path, OffloadConfig(budget="100%"))
+    try:
+        base = full.plan
+    finally:
+        full.close()
+    # Unlimited ("auto" on this machine's RAM) leaves the plan as it was.
+    om = OffloadedModel.load(path, OffloadConfig(budget="100%", memory_limit="auto"))
+    try:
+        assert om.plan.slots == base.slots and om.context_governor is not None and om.prefill_step == 2048
+        m = om.memory_limit
+    finally:
+        om.close()
+    # A limit that leaves room for about half the experts at a 64-token context: the plan halves.
+    from runtime.cache.memory_limit import limit_plan
+
+    lay = {l: om.store.layout(l) for l in om.moe_layers}
+    kv = 64 * 2 * 3 * 2 * 16 * 4
+    # On this tiny model a chunk's attention scores outweigh the experts: the chunk drops to 16 tokens.
+    need = m.baseline_bytes + m.resident_bytes + kv + activation_bytes(om.config, 16, 64) + base.budget_bytes // 2
+    half = MemoryLimit(int(need / 0.95) + 1, m.baseline_bytes, m.resident_bytes)
+    plan, step = limit_plan(base, half, om.config, context_tokens=64, kv_bytes=kv,
+                            expert_bytes={l: x.expert_bytes for l, x in lay.items()},
+                            n_experts={l: x.n_experts for l, x in lay.items()}, top_k=4)
+    assert step == 16 and 14 <= min(plan.slots.values()) <= 16
+    assert plan.budget_bytes <= half.expert_room(om.config, kv, 64, step) < plan.budget_bytes + sum(
+        x.expert_bytes for x in lay.values())
+    with pytest.raises(ValueError, match="--memory-limit .* the minimum here is about"):
+        OffloadedModel.load(path, OffloadConfig(budget="100%", memory_limit="10MB"))
+
+
+def test_slots_give_way_as_the_kv_grows_and_tokens_stay_stock(tiny_dirs):
+    path = tiny_dirs["qwen3_moe"]
+    stock, tok = load(str(path))
+    ids = tok.encode((PROMPT + " ") * 5)
+    om = OffloadedModel.load(path, OffloadConfig(budget="100%"))
+    try:
+        cache, cfg = om.cache, om.config
+        row = sum(cache.layouts[l].expert_bytes for l in cache.layers())
+        kv_per_token = 2 * 3 * 2 * 16 * 4  # 3 attention layers x K,V x 2 KV heads x head_dim 16 x float32
+        # A cap that holds every slot at a 16-token context but not at the prompt's.
+        early = activation_bytes(cfg, 16, 16) + (16 + 256) * kv_per_token + 32 * row
+        limit = MemoryLimit(int(early / 0.95) + row, 0, 0)
+        gov = ContextGovernor(cache, limit, cfg, 2048, kv_per_token=kv_per_token)
+        assert gov.slots_for((16 + 256) * kv_per_token, 16) == 32
+        late = gov.slots_for((len(ids) + 256) * kv_per_token, len(ids))
+        assert 4 <= late < 32
+        om.context_governor = gov
+        out, _ = generate_tokens(om.model, ids, max_tokens=6, om=om)
+        assert out == greedy_ids(stock, ids, 6)
+        assert gov.stats.n_shrinks >= 1 and gov.stats.usable < 32
+        assert max(cache.usable_slots(l) for l in cache.layers()) == gov.stats.usable
+    finally:
+        om.close()
+
+
+def test_cli_refuses_a_bad_memory_limit_and_kv_bits(tiny_dirs):
+    base = ["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", PROMPT, "-n", "2"]
+    code, _, err = run_cli(base + ["--memory-limit", "half"])
+    assert code == 2 and "--memory-limit 'half'" in err
+    code, _, err = run_cli(base + ["--kv-bits", "7"])
+    assert code == 2 and "--kv-bits 7" in err
+    code, _, err = run_cli(base + ["--memory-limit", "none", "--kv-bits", "8"])
+    assert code == 0, err
