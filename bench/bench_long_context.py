@@ -10,9 +10,10 @@ Method: each variant runs in its own process (clean peaks); peak RSS is getrusag
 MLX peak mx.get_peak_memory(). First stock mlx-lm, fully resident, with mlx-lm's 2048-token
 chunks, to see what the prompt costs unlimited; the cap is then --cap-share of stock's peak RSS
 (or --cap). specmoe runs under the cap (budget 100%, --memory-limit CAP, planned for the prompt
-plus the generated tokens), and stock runs again with specmoe's chunk size: the greedy tokens of
-the two must be equal (the chunk size changes the arithmetic of attention, so that is the fair
-reference). One run each (a long prefill on a shared 2-core machine takes minutes).
+plus the generated tokens; the chunk is the whole prompt unless its activations do not fit), and
+stock runs again with specmoe's chunk size: the greedy tokens of the two must be equal (on Metal
+the chunk size can change attention's rounding, so that is the fair reference; on this CPU
+backend the chunk does not change the output). One run each (a long prefill on a shared 2-core machine takes minutes).
 Prints a table and ends with one JSON line.
 """
 
@@ -71,7 +72,7 @@ def role_specmoe(model: Path, n_prompt: int, n_gen: int, cap: int) -> dict:
     out, stats = generate_tokens(om.model, ids, max_tokens=n_gen, om=om)
     gov = om.context_governor.stats
     result = {"tokens": out, "seconds": time.perf_counter() - t0, "peak_rss": _peak_rss(),
-              "mlx_peak": mx.get_peak_memory(), "step": om.prefill_step, "slots": min(om.plan.slots.values()),
+              "mlx_peak": mx.get_peak_memory(), "step": stats.prefill.chunk_tokens, "slots": min(om.plan.slots.values()),
               "n_experts": om.store.layout(om.moe_layers[0]).n_experts, "cache_bytes": om.plan.budget_bytes,
               "expert_bytes_total": om.store.expert_bytes_total, "baseline": om.memory_limit.baseline_bytes,
               "usable_at_end": gov.usable, "governor_shrinks": gov.n_shrinks,

@@ -79,6 +79,7 @@ class RunStats:
     bytes_read: int  # bytes read from disk since the call started (demand + prefetch)
     acceptance: float | None  # accepted / drafted tokens (speculative), None when plain
     peak_memory_gb: float  # MLX allocator peak, GB
+    prompt_bytes_read: int = 0  # bytes read up to the first token (the prefill; detail.prefill has reads per expert)
 
 
 @dataclass(frozen=True)
@@ -195,10 +196,11 @@ def _responses(tokens, tokenizer, om, decoder, n_prompt: int, max_tokens: int, e
     c0 = om.counters()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    t_first = None
+    t_first, prompt_bytes = None, 0
     for n, token in enumerate(tokens, start=1):
         now = time.perf_counter()
-        t_first = t_first or now
+        if t_first is None:
+            t_first, prompt_bytes = now, om.counters()["bytes_read"] - c0["bytes_read"]
         finish = "stop" if token in eos else ("length" if n >= max_tokens else None)
         if finish != "stop":
             detok.add_token(token)
@@ -222,6 +224,7 @@ def _responses(tokens, tokenizer, om, decoder, n_prompt: int, max_tokens: int, e
             bytes_read=c["bytes_read"] - c0["bytes_read"],
             acceptance=acceptance,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
+            prompt_bytes_read=prompt_bytes,
         )
         yield GenerationResponse(detok.last_segment, token, stats, finish, detail)
         if finish:

@@ -59,3 +59,14 @@ def test_generate_reports_prefill_tokens_per_s_bytes_and_reads_per_routed_expert
     # Expert-major prefill reads no expert twice within a call.
     assert 0 < pre["reads_per_unique_expert"] <= 1.0
     assert f"prefill {pre['n_tokens']} tok" in err and "per routed expert" in err
+
+
+def test_api_stream_carries_the_prefill_bytes_and_stats(tiny_dirs):
+    from runtime import load, stream_generate
+
+    with load(tiny_dirs["qwen3_moe"], budget="25%") as engine:
+        responses = list(stream_generate(engine, (PROMPT + " ") * 4, max_tokens=3))
+    last = responses[-1]
+    pre = last.detail.prefill
+    assert last.stats.prompt_bytes_read == pre.bytes_read > 0
+    assert pre.n_tokens == last.stats.prompt_tokens and 0 < pre.reads_per_unique_expert <= 1.0

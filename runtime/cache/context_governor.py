@@ -32,7 +32,7 @@ class ContextGovernor:
         self.cache = cache  # ExpertCache
         self.limit = limit
         self.config = config
-        self.step = step  # prefill chunk (tokens) the limit allows
+        self.step = step  # tokens per forward the activations are sized for (the prefill chunk; 1 when decoding)
         self.memory_governor = memory_governor  # the RAM governor, whose current level also caps the slots
         self.kv_per_token = kv_per_token  # KV bytes one more token adds (attention layers)
         self.layers = cache.layers()
@@ -40,22 +40,28 @@ class ContextGovernor:
         self.max_slots = min(cache.n_slots(l) for l in self.layers)
         self.stats = ContextGovernorStats(usable=self.max_slots)
 
-    def slots_for(self, kv_bytes: int, context: int) -> int:
-        room = self.limit.expert_room(self.config, kv_bytes, context, self.step)
+    def chunk_for(self, prompt_tokens: int, context: int) -> int:
+        """The prefill chunk for a prompt of `prompt_tokens` reaching `context`: the whole prompt unless its
+        activations would take more than their share of the limit (MemoryLimit.prefill_step)."""
+        kv = context * self.kv_per_token
+        return self.limit.prefill_step(self.config, context, kv, default=max(16, prompt_tokens))
+
+    def slots_for(self, kv_bytes: int, context: int, chunk: int | None = None) -> int:
+        room = self.limit.expert_room(self.config, kv_bytes, context, chunk or self.step)
         return max(self.cache.min_usable, min(self.max_slots, room // self.row_bytes))
 
-    def observe(self, caches, tokens_now: int, tokens_next: int) -> int:
-        """Before growing mlx-lm `caches` from `tokens_now` to `tokens_next` tokens: what they hold now plus
-        the growth (and one 256-token allocation step of KVCache) at kv_per_token."""
+    def observe(self, caches, tokens_now: int, tokens_next: int, chunk: int | None = None) -> int:
+        """Before growing mlx-lm `caches` from `tokens_now` to `tokens_next` tokens in forwards of `chunk`
+        tokens: what they hold now plus the growth (and one 256-token allocation step of KVCache)."""
         kv = sum(c.nbytes for c in caches) + (max(0, tokens_next - tokens_now) + 256) * self.kv_per_token
-        return self.update(kv, tokens_next)
+        return self.update(kv, tokens_next, chunk)
 
-    def update(self, kv_bytes: int, context: int) -> int:
+    def update(self, kv_bytes: int, context: int, chunk: int | None = None) -> int:
         """The KV/state bytes about to be held at `context` tokens; returns the usable slots requested."""
         s = self.stats
         s.n_updates += 1
         s.kv_bytes = kv_bytes
-        n = self.slots_for(kv_bytes, context)
+        n = self.slots_for(kv_bytes, context, chunk)
         if self.memory_governor is not None:
             self.memory_governor.ceiling = n  # its later grows stop here
             n = min(self.memory_governor.usable_for(self.memory_governor.stats.level).values())

@@ -23,8 +23,8 @@ def describe_plan(om) -> str:
     if om.memory_limit is not None:
         m = om.memory_limit
         lines.append(f"memory limit: {format_bytes(m.limit_bytes)} (process before loading {format_bytes(m.baseline_bytes)}, "
-                     f"drafter {format_bytes(m.drafter_bytes)}); prefill chunks of {om.prefill_step} tokens; "
-                     f"expert slots give way as the KV cache grows")
+                     f"drafter {format_bytes(m.drafter_bytes)}); a prompt is prefilled in one chunk unless its "
+                     f"activations need smaller ones; expert slots give way as the KV cache grows")
     if plan.breakdown:
         lines.append("auto: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.breakdown.items() if v))
     return "\n".join(lines)

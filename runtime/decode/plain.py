@@ -86,7 +86,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     `prompt_cache` (a PromptCache) keeps the KV cache and state across calls: the prefix it already
     holds is not prefilled again, and it holds this prompt and the tokens yielded afterwards. `kv_bits`
     quantizes the KV cache as mlx-lm does (from its quantized_kv_start on); an OffloadedModel with a
-    memory limit prefills in its `prefill_step` chunks and gives expert slots back as the KV grows."""
+    memory limit prefills the prompt in one chunk unless its activations need smaller ones (the chunk is
+    mlx-lm's 2048 tokens without a limit) and gives expert slots back as the KV grows."""
     if one_sync not in ("auto", "on", "off"):
         raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
     if max_tokens < 1:
@@ -109,14 +110,16 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     reused = prompt_cache.reuse(prompt_ids) if prompt_cache is not None else 0
     meter, prefill = PrefillMeter(om, len(prompt_ids) - reused, progress).start(), None
     limit = om.context_governor if om is not None else None  # --memory-limit: slots give way as the KV grows
-    step = om.prefill_step if om is not None else DEFAULT_PREFILL_STEP
+    step = DEFAULT_PREFILL_STEP  # mlx-lm's chunk, unless a memory limit sizes it to the prompt
+    if limit is not None:
+        step = limit.chunk_for(len(prompt_ids) - reused, len(prompt_ids) + max_tokens)
     kv = prompt_cache.cache if prompt_cache is not None else (make_prompt_cache(forward) if limit else None)
     on_chunk = meter.on_chunk
     if limit is not None:
         def on_chunk(done: int, total: int) -> None:
             meter.on_chunk(done, total)
             now = reused + done
-            limit.observe(kv, now, min(now + step, len(prompt_ids)) + 1)
+            limit.observe(kv, now, min(now + step, len(prompt_ids)) + 1, chunk=step)
     ok = False
     try:
         if prompt_cache is None:
@@ -132,10 +135,10 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
             if t_first is None:
                 t_first, c1 = time.perf_counter(), _counters(om)
                 prefill = meter.stop()
-                prefill.reused_tokens = reused
+                prefill.reused_tokens, prefill.chunk_tokens = reused, step
             tokens.append(token)
-            if limit is not None and len(tokens) % 32 == 0:
-                limit.observe(kv, len(prompt_ids) + len(tokens), len(prompt_ids) + len(tokens) + 32)
+            if limit is not None and (len(tokens) == 1 or len(tokens) % 32 == 0):
+                limit.observe(kv, len(prompt_ids) + len(tokens), len(prompt_ids) + len(tokens) + 32, chunk=1)
             yield token
             if token in eos_ids:
                 break

@@ -31,6 +31,7 @@ class PrefillStats:
     unique_bytes: int = 0  # bytes of those
     reads_per_unique_expert: float = 0.0  # reads / unique_experts (<= 1: nothing read twice in a call)
     reused_tokens: int = 0  # prompt tokens a PromptCache already held (not prefilled, not in n_tokens)
+    chunk_tokens: int = 0  # prompt tokens per prefill forward (0: not recorded)
 
     def line(self) -> str:
         s = f"prefill {self.n_tokens} tok in {self.seconds:.2f} s ({self.tokens_per_s:.0f} tok/s)"
