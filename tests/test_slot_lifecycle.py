@@ -186,3 +186,27 @@ def test_sampling_keeps_target_mass_beyond_a_shorter_drafter_vocabulary():
     expected = np.array([0.1, 0.2, 0.1, 0.1, 0.2, 0.3]) * draws
     chi2 = ((counts - expected) ** 2 / expected).sum()
     assert chi2 < 20.5, (chi2, counts)  # df = 5, p = 0.001; trimming p to 4 tokens scores in the thousands
+
+
+def test_the_oracle_variant_starts_from_an_empty_cache(tiny_dirs):
+    """At a budget holding every expert, a cold run reads each expert decode needs beyond the
+    prompt's once, prefetched or on demand: the oracle must read as much as `none`. Before the
+    fix its recording run left the cache warm and the measured run read nothing."""
+    from mlx_lm import load
+
+    from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+    from runtime.decode.speculative_run import run_speculative
+    from tests.conftest import PROMPT
+
+    dmodel, dconfig = load(str(tiny_dirs["qwen3_moe"]), return_config=True)[::2]
+    read = {}
+    for predictor in ("none", "oracle"):
+        om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%", threads=1))
+        try:
+            ids = om.tokenizer.encode(PROMPT)
+            _, stats, _ = run_speculative(om, None, ids, max_tokens=12, num_draft=3, predictor=predictor,
+                                          cutoff=None, draft_model=dmodel, draft_config=dconfig)
+            read[predictor] = (stats.counters["bytes_read"], stats.counters["misses"] + stats.counters["prefetch_loaded"])
+        finally:
+            om.close()
+    assert read["none"][0] > 0 and read["oracle"] == read["none"], read

@@ -12,11 +12,12 @@ from mlx_lm import load
 from predictor.oracle import RoutingRecorder
 from runtime.decode.pairing import build_predictor, make_drafter
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.decode.sampling import accept_sampled, probabilities
+from runtime.decode.sampling import accept_sampled, probabilities, sample
 from runtime.decode.speculative_run import run_speculative
 from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
 from runtime.checkpoints.tiny import make_tiny
 from tests.conftest import PROMPT, TINY, greedy_ids
+from tests.goodness_of_fit import chi2_critical, chi2_stat, pit, pooled_counts, uniformity_chi2
 
 N = 20
 PREDICTORS = ["none", "previous", "popularity", "spmoe", "oracle"]
@@ -59,25 +60,72 @@ def test_greedy_speculative_equals_plain_greedy(family, budget, tiny_dirs, dense
         om.close()
 
 
-def test_accept_sampled_reproduces_the_target_distribution():
+def _draw(q_row: np.ndarray, n: int, rng) -> np.ndarray:
+    return np.minimum(np.searchsorted(np.cumsum(q_row), rng.random(n), side="right"), len(q_row) - 1)
+
+
+def _emitted_by_position(sampler, p, q, draws: int, seed: int = 0) -> np.ndarray:
+    """counts[j, t]: rounds whose j-th emitted token was t (j = K: the bonus token)."""
+    rng = np.random.default_rng(seed)
+    K, V = q.shape
+    drafts = np.stack([_draw(q[i], draws, rng) for i in range(K)], axis=1).tolist()
+    counts = np.zeros((K + 1, V))
+    for draft in drafts:
+        n, token = sampler(draft, q, p, rng)
+        for j, t in enumerate(draft[:n] + [token]):
+            counts[j, t] += 1
+    return counts
+
+
+def _position_scores(counts: np.ndarray, p: np.ndarray) -> list[tuple[float, float]]:
+    """(chi-square, critical value at p = 0.001 / (K + 1)) of each position's tokens against p[j]."""
+    out = []
+    for j in range(len(counts)):
+        obs, exp = pooled_counts(counts[j], p[j] * counts[j].sum())
+        out.append((chi2_stat(obs, exp), chi2_critical(len(obs) - 1, 0.001 / len(counts))))
+    return out
+
+
+def _wrong_later(draft, q, p, rng):
+    """Right at the first position; at later ones the residual is p itself (not max(p - q, 0)),
+    and the bonus token comes from the previous position's p."""
+    for i, d in enumerate(draft):
+        if rng.random() * q[i, d] < p[i, d]:
+            continue
+        return i, sample(p[i] if i > 0 else np.maximum(p[i] - q[i], 0) / np.maximum(p[i] - q[i], 0).sum(), rng)
+    return len(draft), sample(p[len(draft) - 1], rng)
+
+
+def _wrong_bonus(draft, q, p, rng):
+    n, token = accept_sampled(draft, q, p, rng)
+    return (n, sample(q[-1], rng)) if n == len(draft) else (n, token)  # the bonus drawn from the drafter
+
+
+def test_accept_sampled_reproduces_the_target_distribution_at_every_position():
+    """Each emitted position j (the bonus token included) follows p[j]; samplers wrong only at
+    later positions or only at the bonus token fail the same test."""
     rng = np.random.default_rng(0)
     V, K, draws = 6, 3, 30000
     p = rng.dirichlet(np.ones(V) * 0.7, size=K + 1)
     q = rng.dirichlet(np.ones(V) * 0.7, size=K)
-    first = np.zeros(V)
-    accepted = 0
-    for _ in range(draws):
-        draft = [int(rng.choice(V, p=q[i])) for i in range(K)]
-        n, token = accept_sampled(draft, q, p, rng)
-        first[draft[0] if n > 0 else token] += 1
-        accepted += n > 0
-    expected = p[0] * draws
-    chi2 = ((first - expected) ** 2 / expected).sum()
-    assert chi2 < 20.5, (chi2, first, expected)  # df = 5, p = 0.001
-    assert 0 < accepted < draws  # both the accept and the residual path were taken
-    # The drafter's distribution alone would fail the same test.
+    counts = _emitted_by_position(accept_sampled, p, q, draws)
+    scores = _position_scores(counts, p)
+    assert all(chi2 < crit for chi2, crit in scores), scores
+    assert counts[K].sum() > 300 and 0 < counts[1].sum() < draws  # the bonus and the residual paths were taken
+    # The drafter's distribution alone would fail the first position.
     wrong = q[0] * draws
-    assert ((first - wrong) ** 2 / wrong).sum() > 100
+    assert ((counts[0] - wrong) ** 2 / wrong).sum() > 100
+    later = _position_scores(_emitted_by_position(_wrong_later, p, q, draws), p)
+    assert later[0][0] < later[0][1] and any(c > crit for c, crit in later[1:]), later  # only later positions flag
+    bonus = _position_scores(_emitted_by_position(_wrong_bonus, p, q, draws), p)
+    assert all(c < crit for c, crit in bonus[:K]) and bonus[K][0] > bonus[K][1], bonus
+
+
+def test_chi2_critical_values():
+    for df, table in {1: 10.83, 3: 16.27, 5: 20.52, 9: 27.88, 30: 59.70}.items():
+        assert abs(chi2_critical(df) - table) / table < 0.02  # p = 0.001 (any df; no lookup table to fall off)
+    obs, exp = pooled_counts(np.array([50.0, 30, 15, 2, 2, 1]), np.array([48.0, 32, 14, 3, 2, 1]))
+    assert obs.sum() == 100 and (exp >= 5).all() and len(obs) == 4
 
 
 def test_top_p_distribution():
@@ -88,35 +136,68 @@ def test_top_p_distribution():
     assert abs(p[0] / p[1] - full[0] / full[1]) < 1e-5
 
 
-@pytest.mark.slow
-def test_speculative_sampling_keeps_the_target_distribution(tiny_dirs, dense_drafter):
-    """First emitted token of many independent runs vs the target's own p (temperature 0.1)."""
-    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%"))
+SAMPLING_PROMPTS = ["Enter the king and his lords, with attendants.", "The function returns a list of the lines in",
+                    "If the argument is omitted, the default value is used, and", "CLAUDIO. Why, how now, Claudio!"]
+
+
+def _sampled_positions(sampler=None, tokens_per_prompt: int = 100, K: int = 3) -> tuple[dict[int, list[float]], float]:
+    """Speculative sampling at temperature 1 with the embedded trained pair; every emitted token's
+    randomized PIT under the target's own conditional p (an independent full forward of a resident
+    copy), grouped by its position in the round (K: the bonus token). Returns (pit by position, acceptance)."""
+    import runtime.decode.speculative as spec_module
+    from runtime.checkpoints import embedded_pair
+    from runtime.decode.pairing import load_drafter
+
+    pair = embedded_pair()
+    om = OffloadedModel.load(pair.target, OffloadConfig(budget="100%", threads=1))
+    reference, _ = load(str(pair.target))
+    rng = np.random.default_rng(123)
+    by_position: dict[int, list[float]] = {j: [] for j in range(K + 1)}
+    original = spec_module.accept_sampled
+    drafted = accepted = 0
     try:
-        ids = om.tokenizer.encode(PROMPT)
-        temp = 0.1
-        p = np.array(probabilities(om.model(mx.array(ids)[None])[0, -1], temp), np.float64)
-        dmodel, dconfig = dense_drafter
-        counts = np.zeros_like(p)
-        draws, accepted_first = 600, 0
-        for seed in range(draws):
-            pred = build_predictor("none", om, dmodel, dconfig)
-            dec = SpeculativeDecoder(om, make_drafter(dmodel, "none"), pred, SpecConfig(num_draft=2, temp=temp, seed=seed))
-            first = dec.step(dec.prefill(ids))[0]
-            counts[first] += 1
-            accepted_first += dec.stats.n_accepted > 0
-        order = np.argsort(-p)
-        big = [t for t in order if p[t] * draws >= 5]
-        obs = np.append(counts[big], draws - counts[big].sum())
-        exp = np.append(p[big] * draws, draws - p[big].sum() * draws)
-        keep = exp > 0
-        chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-        df = keep.sum() - 1
-        critical = {3: 16.3, 4: 18.5, 5: 20.5, 6: 22.5, 7: 24.3, 8: 26.1, 9: 27.9}[df]  # p = 0.001
-        assert chi2 < critical, (chi2, obs, exp)
-        assert 0 < accepted_first < draws
+        if sampler is not None:
+            spec_module.accept_sampled = sampler
+        dmodel, dconfig = load_drafter(pair.default_drafter, om)
+        for seed, prompt in enumerate(SAMPLING_PROMPTS):
+            ids = om.tokenizer.encode(prompt)
+            dec = SpeculativeDecoder(om, make_drafter(dmodel, "none"), build_predictor("none", om, dmodel, dconfig),
+                                     SpecConfig(num_draft=K, temp=1.0, seed=seed))
+            pending, out, positions = dec.prefill(ids), [], []
+            while len(out) < tokens_per_prompt:
+                emitted = dec.step(pending)
+                out += emitted
+                positions += range(len(emitted))
+                pending = emitted[-1]
+            drafted, accepted = drafted + dec.stats.n_drafted, accepted + dec.stats.n_accepted
+            logits = reference(mx.array(ids + out)[None])[0, len(ids) - 1 : -1]
+            p = np.array(probabilities(logits, 1.0), np.float64)
+            for t, (token, j) in enumerate(zip(out, positions)):
+                by_position[j].append(pit(p[t], token, rng))
     finally:
+        spec_module.accept_sampled = original
         om.close()
+    return by_position, accepted / drafted
+
+
+@pytest.mark.slow
+def test_speculative_sampling_keeps_the_target_distribution_at_every_position():
+    """Trained drafter, temperature 1: the tokens emitted at each position of a round (the
+    bonus token included) are distributed as the target's p given everything before them.
+    Randomized PIT values of p are Uniform(0, 1) exactly when that holds; each position is
+    tested separately (p = 0.001 each). A sampler right only at the first position fails: the
+    check the old test made (first emitted token only) passed it.
+    (Subtler errors, e.g. drawing rejections from p, need more draws than a test can afford
+    here; the per-position test on exact synthetic distributions above catches those.)"""
+    by_position, acceptance = _sampled_positions()
+    assert 0.2 < acceptance < 0.95  # both the accept and the reject path are exercised
+    for j, u in by_position.items():
+        assert len(u) >= 60, (j, len(u))  # enough draws for 10 bins, the bonus position included
+        chi2, critical = uniformity_chi2(np.array(u))
+        assert chi2 < critical, (j, chi2, critical, len(u))
+    wrong, _ = _sampled_positions(_wrong_later)
+    scores = [uniformity_chi2(np.array(u)) for u in wrong.values()]
+    assert scores[0][0] < scores[0][1] and any(chi2 > critical for chi2, critical in scores), scores
 
 
 def test_forecast_scores_match_the_routing_of_verify(tiny_dirs, dense_drafter):

@@ -60,6 +60,10 @@ class CachedSwitchGLU(nn.Module):
         self.switch = slab_switch_glu(layout, cache.slabs[layer], activation, like=like)
         self._pending: list[tuple[mx.array, np.ndarray]] = []
 
+    def release(self) -> None:
+        """Evaluate this module's pending outputs and unpin their slots (between generations)."""
+        self._release()
+
     def _release(self) -> None:
         if self._pending:
             mx.eval([out for out, _ in self._pending])

@@ -339,6 +339,14 @@ class ExpertCache:
                 pass  # its slot was freed; a call needing the expert reads it again
         return (time.perf_counter() - t0) * 1e3 if tickets else 0.0
 
+    def empty(self) -> None:
+        """Wait for reads in flight, then evict every expert: the cache starts cold again, as
+        if freshly allocated (stats are kept). Nothing may be pinned (raises otherwise)."""
+        self.settle_inflight()
+        with self._lock:
+            for layer in self.table.layers:
+                self.table.clear(layer)
+
     def freeze_resident(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Pin every valid slot and return, per layer, (expert -> slot or -1 table, pinned slots).
 

@@ -193,5 +193,17 @@ class SlotTable:
         ls.stats.shrink_evictions += len(gone)
         return len(gone)
 
+    def clear(self, layer: int) -> None:
+        """Forget every expert of `layer`, as freshly built (stats are kept). Raises if a slot
+        is pinned or loading: its reader or its read still needs it."""
+        ls = self.layers[layer]
+        if (ls.pins > 0).any() or (ls.state == LOADING).any():
+            raise RuntimeError(f"layer {layer}: cannot clear while slots are pinned or loading")
+        ls.expert_to_slot[:] = -1
+        ls.slot_to_expert[:] = -1
+        ls.state[:] = FREE
+        ls.prefetched[:] = False
+        ls.policy = make_policy(self.policy_name, ls.n_slots)
+
     def valid_count(self, layer: int) -> int:
         return int((self.layers[layer].state == VALID).sum())

@@ -197,6 +197,12 @@ class OffloadedModel:
                 "digest": config_digest(self.config), "n_experts": first.n_experts, "top_k": self.top_k,
                 "moe_layers": self.moe_layers, "hidden_size": cfg.get("hidden_size"), "expert_bytes": first.expert_bytes}
 
+    def empty_cache(self) -> None:
+        """Evict every expert (between generations): the next one starts cold, as after load()."""
+        for m in self.modules.values():
+            m.release()
+        self.cache.empty()
+
     def set_observer(self, observer) -> None:
         """Call observer(layer, expert_ids (tokens, k)) on every MoE call; None to stop."""
         for m in self.modules.values():

@@ -2,6 +2,9 @@
 
 The oracle needs the routing of an identical earlier run: we make that run first
 with prefetch off (it computes the same tokens; only reads differ) and replay it.
+Invariant: the measured run starts from an empty expert cache whatever the
+predictor; the recording run's experts are evicted before it (else the oracle
+would be measured warm, with fewer misses than any real run could have).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
         rec_cfg = SpecConfig(num_draft=num_draft, cutoff=0, temp=temp, top_p=top_p, seed=seed)
         SpeculativeDecoder(om, make_drafter(draft_model, "none"), recorder, rec_cfg).generate(ids, max_tokens, eos_ids)
         recording = recorder.rounds
+        om.empty_cache()  # the measured run must start as cold as every other variant
     pred = build_predictor(predictor, om, draft_model, draft_config, projection=projection, recording=recording,
                            limit=forecast_limit, forecast_k=forecast_k)
     drafter = make_drafter(draft_model, predictor if cutoff != 0 else "none")
