@@ -39,6 +39,7 @@ class DraftSettings:
     projection: Path | None = None  # drafter->target projection file (spmoe); None: next to the target
     forecast_k: int | None = None  # experts taken per window token by spmoe; None: the target's k
     max_prefetch_bytes: int | None = None  # cap on prefetch reads per round; None: the cache itself
+    adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
 
 
 @dataclass
@@ -96,7 +97,8 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          io_mode: str = "buffered", verify: bool = True, memory_governor: bool = True,
          projection: str | Path | None = None, forecast_k: int | None = None,
          max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
-         memory_limit: str | None = "auto", context_tokens: int = 4096) -> Engine:
+         memory_limit: str | None = "auto", context_tokens: int = 4096,
+         adaptive_k: bool = True) -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
@@ -114,7 +116,8 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
         if note:
             notes.append(note)
         settings = DraftSettings(Path(draft), num_draft, predictor, cutoff,
-                                 Path(projection) if projection else None, forecast_k, max_prefetch_bytes)
+                                 Path(projection) if projection else None, forecast_k, max_prefetch_bytes,
+                                 adaptive_k)
     om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or "lru", threads=threads,
                                                   io_mode=io_mode, verify_checksums=verify,
                                                   governor=GovernorConfig() if memory_governor else None,
@@ -175,7 +178,7 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
                                       top_p=top_p, seed=0 if seed is None else seed, eos_ids=eos,
                                       draft_model=engine._draft_model, draft_config=engine._draft_config,
                                       one_sync=one_sync, forecast_k=d.forecast_k,
-                                      max_prefetch_bytes=d.max_prefetch_bytes)
+                                      max_prefetch_bytes=d.max_prefetch_bytes, adaptive_k=d.adaptive_k)
         tokens = decoder.stream(ids, max_tokens, eos, progress=progress)
     try:
         yield from _responses(tokens, tokenizer, om, decoder, len(ids), max_tokens, eos)

@@ -162,7 +162,7 @@ def _sampled_positions(sampler=None, tokens_per_prompt: int = 100, K: int = 3) -
         for seed, prompt in enumerate(SAMPLING_PROMPTS):
             ids = om.tokenizer.encode(prompt)
             dec = SpeculativeDecoder(om, make_drafter(dmodel, "none"), build_predictor("none", om, dmodel, dconfig),
-                                     SpecConfig(num_draft=K, temp=1.0, seed=seed))
+                                     SpecConfig(num_draft=K, temp=1.0, seed=seed, adaptive_k=False))
             pending, out, positions = dec.prefill(ids), [], []
             while len(out) < tokens_per_prompt:
                 emitted = dec.step(pending)

@@ -39,7 +39,17 @@ def spec_line(stats, prefetch_layers) -> str:
             f"{c['misses'] / n:.2f} misses/token | {expert_bytes / 1e6 / n:.3f} MB read/token | "
             f"prefetch used {c['prefetch_hits']} / wasted {c['prefetch_wasted'] + c['prefetch_cancelled']} experts | "
             f"forecast recall {stats.recall(prefetch_layers or None):.0%} | "
-            f"one-sync verifies {stats.one_sync_tries - stats.one_sync_fallbacks}/{stats.n_rounds}")
+            f"one-sync verifies {stats.one_sync_tries - stats.one_sync_fallbacks}/{stats.n_rounds} | "
+            f"mean K {stats.mean_k:.1f}, {stats.n_plain_rounds}/{stats.n_rounds} plain rounds")
+
+
+def low_acceptance_note(stats) -> str | None:
+    """A warning when adaptive K fell back to plain decoding in most rounds."""
+    if stats.n_rounds and stats.n_plain_rounds > stats.n_rounds / 2:
+        return (f"note: the drafter's proposals were rarely accepted ({stats.acceptance:.0%}); adaptive K fell back "
+                f"to plain decoding in {stats.n_plain_rounds} of {stats.n_rounds} rounds. This drafter does not pay "
+                "here: try another drafter, or none.")
+    return None
 
 
 def prompt_ids(tokenizer, prompt: str, system_prompt: str | None, *, chat: bool) -> list[int]:
@@ -85,6 +95,9 @@ def register(app: typer.Typer) -> None:
         seed: int = opt.seed_option(),
         draft: Path = opt.draft_option(),
         num_draft: int = opt.num_draft_option(),
+        adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
+                                        help="Lower K round by round while drafts are rejected, down to plain decoding "
+                                             "(K=0) with periodic probes; --fixed-k always proposes K."),
         predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, oracle (default: tuned, else spmoe)."),
         cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, else all)."),
         forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default the model's k; 2k covers more, reads more)."),
@@ -135,7 +148,7 @@ def register(app: typer.Typer) -> None:
                       threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
                       projection=projection, forecast_k=forecast_k,
                       max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                      inject=inject or "", memory_limit=None if memory_limit.lower() == "none" else memory_limit)
+                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=None if memory_limit.lower() == "none" else memory_limit)
         with engine:
             om = engine.model
             for note in engine.notes:
@@ -172,6 +185,8 @@ def register(app: typer.Typer) -> None:
                 pc.reuse(ids)  # back to the prompt's prefix (its last token not yet fed): trim, or its snapshot
                 pc.save(prompt_cache_file, prompt=ids)
                 err_console.print(f"wrote prompt cache {prompt_cache_file} ({len(pc.tokens)} tokens)", highlight=False)
+            if engine.draft is not None and low_acceptance_note(stats):
+                err_console.print(low_acceptance_note(stats), highlight=False)
             if json_path:
                 result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
                 if om.governor is not None:

@@ -35,6 +35,7 @@ class Drafter(Protocol):
     def propose(self, k: int, *, temp: float, top_p: float, rng: np.random.Generator,
                 on_step: Callable[[DraftTaps], None] | None = None) -> DraftResult: ...
     def settle(self, n_accepted: int, next_token: int) -> None: ...
+    def skip(self, token: int) -> None: ...
 
 
 class ModelDrafter:
@@ -89,6 +90,11 @@ class ModelDrafter:
         self._last_draft = tokens[-1]
         self.pending = []
         return DraftResult(tokens, np.stack(qs) if qs else None, taps)
+
+    def skip(self, token: int) -> None:
+        """A round without drafting (K = 0) emitted `token`: queue it; the next propose()
+        feeds every queued token in one forward."""
+        self.pending.append(token)
 
     def settle(self, n_accepted: int, next_token: int) -> None:
         # The cache holds the window up to d_K (feed_last) or d_{K-1}; keep up to d_n.

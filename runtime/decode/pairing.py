@@ -1,7 +1,8 @@
 """Pairing a drafter with an offloaded target: checks, layer map, projections, predictor.
 
 Invariants: a drafter is accepted only if its tokenizer maps every token string to
-the same id as the target's; `spmoe` runs only when drafter and target widths match
+the same id as the target's and its output layer covers every id (whatever the
+predictor; the error names both vocabularies); `spmoe` runs only when drafter and target widths match
 or a projection file made for exactly this pair is available.
 """
 
@@ -29,17 +30,42 @@ def _vocab_digest(tokenizer) -> str:
     return hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()
 
 
+def _first_difference(draft_vocab: dict, target_vocab: dict) -> str:
+    for token in sorted(set(draft_vocab) | set(target_vocab)):
+        a, b = draft_vocab.get(token), target_vocab.get(token)
+        if a != b:
+            name = lambda i: "absent" if i is None else f"id {i}"  # noqa: E731
+            return f"e.g. {token!r} is {name(a)} in the drafter's, {name(b)} in the target's"
+    return "same tokens, different ids"
+
+
+def check_vocabularies(draft_dir: Path, draft_tokenizer, draft_config: dict, target) -> None:
+    """Refuse a drafter whose vocabulary is not the target's, naming both (any predictor: acceptance
+    compares token ids, so another vocabulary would propose tokens that mean something else)."""
+    dv, tv = draft_tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    where = f"target {target.store.model_dir}"
+    if _vocab_digest(draft_tokenizer) != _vocab_digest(target.tokenizer):
+        raise ValueError(
+            f"--draft {draft_dir}: its tokenizer differs from the target's: drafter vocabulary {len(dv)} tokens "
+            f"(sha256 {_vocab_digest(draft_tokenizer)[:12]}) vs {where} vocabulary {len(tv)} tokens "
+            f"(sha256 {_vocab_digest(target.tokenizer)[:12]}); {_first_difference(dv, tv)}. "
+            "A drafter must share the target's tokenizer"
+        )
+    rows = text_config(draft_config).get("vocab_size")
+    if rows is not None and rows < max(tv.values()) + 1:
+        raise ValueError(
+            f"--draft {draft_dir}: its output layer has {rows} rows (vocab_size) but the shared tokenizer's vocabulary "
+            f"has ids up to {max(tv.values())} (the {where}): the drafter was trained on a smaller vocabulary"
+        )
+
+
 def load_drafter(draft_dir: Path, target) -> tuple[object, dict]:
-    """Load an mlx-lm drafter and check it shares the target's tokenizer."""
+    """Load an mlx-lm drafter and check it shares the target's vocabulary (check_vocabularies)."""
     draft_dir = Path(draft_dir)
     if not (draft_dir / "config.json").exists():
         raise ValueError(f"--draft {draft_dir}: no config.json; expected an mlx-lm model directory")
     model, tokenizer, config = mlx_load(str(draft_dir), return_config=True)
-    if _vocab_digest(tokenizer) != _vocab_digest(target.tokenizer):
-        raise ValueError(
-            f"--draft {draft_dir}: its tokenizer differs from the target's "
-            f"({len(tokenizer.get_vocab())} vs {len(target.tokenizer.get_vocab())} tokens); a drafter must share the tokenizer"
-        )
+    check_vocabularies(draft_dir, tokenizer, config, target)
     return model, config
 
 

@@ -9,6 +9,8 @@ is the last emitted token (not yet seen by the target):
             eviction until their layer is verified. Reads overlap the drafting.
 - verify:   one target forward over W (K+1 tokens); misses still load on demand.
 - accept:   greedy (exact match) or rejection sampling (target distribution kept).
+- adapt:    K follows acceptance round by round, down to K = 0, a plain decoding
+            round with no drafter work (runtime/decode/draft_length.py).
 - rewind:   trimmable caches drop the rejected tail; caches that cannot be trimmed
             (GatedDeltaNet state, a full rotating cache) are restored from a
             snapshot taken before verify and the accepted tokens are re-run.
@@ -30,10 +32,11 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps, ExpertForecast
-from runtime.decode.drafter import ModelDrafter
+from runtime.decode.draft_length import DraftLength
+from runtime.decode.drafter import DraftResult, ModelDrafter
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.one_sync import OneSyncGate, OneSyncPass, gated_forward, roll_back, snapshot_untrimmable
-from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities
+from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities, sample
 from storage import ExpertKey
 
 
@@ -47,6 +50,7 @@ class SpecConfig:
     seed: int = 0
     prefill_chunk: int = 512  # prompt tokens per target forward during prefill
     one_sync: str = "auto"  # verify with one host sync when experts are resident: auto (adaptive), on, off
+    adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
 
     def __post_init__(self):
         if self.num_draft < 1:
@@ -81,6 +85,7 @@ class SpecStats:
     n_accepted: int = 0  # draft tokens accepted
     n_tokens: int = 0  # tokens emitted
     n_reruns: int = 0  # rounds whose rewind re-ran accepted tokens (untrimmable state)
+    n_plain_rounds: int = 0  # rounds with K = 0 (adaptive K fell back to plain decoding: acceptance was low)
     draft_s: float = 0.0  # time in draft + forecast + queueing prefetch
     verify_s: float = 0.0  # time in target verify forwards (including demand loads)
     rewind_s: float = 0.0  # time restoring state and re-running accepted tokens
@@ -96,6 +101,11 @@ class SpecStats:
     @property
     def acceptance(self) -> float:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        """Draft tokens proposed per round (num_draft unless adaptive K lowered it)."""
+        return self.n_drafted / self.n_rounds if self.n_rounds else 0.0
 
     @property
     def tokens_per_verify(self) -> float:
@@ -114,7 +124,8 @@ class SpecStats:
     def to_json(self) -> dict:
         d = asdict(self)
         d["per_layer"] = {l: {**asdict(s), "recall": s.recall, "precision": s.precision} for l, s in self.per_layer.items()}
-        d.update(acceptance=self.acceptance, tokens_per_verify=self.tokens_per_verify, recall=self.recall(),
+        d.update(acceptance=self.acceptance, tokens_per_verify=self.tokens_per_verify, mean_k=self.mean_k,
+                 recall=self.recall(),
                  precision=self.precision())
         return d
 
@@ -142,6 +153,7 @@ class SpeculativeDecoder:
         self._round_bytes = 0
         self._one_sync = OneSyncPass(target) if cfg.one_sync != "off" else None
         self._gate = OneSyncGate() if cfg.one_sync == "auto" else OneSyncGate(min_success=0.0)
+        self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
 
     # -- phases ------------------------------------------------------------------------
     def _forecast_and_prefetch(self, taps: DraftTaps) -> None:
@@ -158,10 +170,12 @@ class SpeculativeDecoder:
         self._round_bytes += queued
         self.stats.prefetch_bytes_queued += queued
 
-    def _draft(self):
+    def _draft(self, k: int):
         t0 = time.perf_counter()
         self._forecast, self._queued, self._round_bytes = ExpertForecast.empty(), set(), 0
-        draft = self.drafter.propose(self.cfg.num_draft, temp=self.cfg.temp, top_p=self.cfg.top_p, rng=self.rng,
+        if k == 0:  # a plain round: no drafter work, no forecast
+            return DraftResult([], None, DraftTaps())
+        draft = self.drafter.propose(k, temp=self.cfg.temp, top_p=self.cfg.top_p, rng=self.rng,
                                      on_step=self._forecast_and_prefetch)
         self.stats.draft_s += time.perf_counter() - t0
         return draft
@@ -198,6 +212,8 @@ class SpeculativeDecoder:
         if self.cfg.temp == 0:
             return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
         p = np.array(probabilities(logits, self.cfg.temp, self.cfg.top_p), np.float64)
+        if not draft.tokens:  # a plain round: the target's own sample
+            return 0, sample(p[0], self.rng)
         # Padded vocabularies may differ in length: accept_sampled pads the shorter with zeros
         # (trimming p would drop target probability mass).
         return accept_sampled(draft.tokens, draft.q, p, self.rng)
@@ -251,7 +267,8 @@ class SpeculativeDecoder:
     def step(self, pending: int) -> list[int]:
         """One round: returns the tokens it emits (accepted drafts plus one target token)."""
         self._round += 1
-        draft = self._draft()
+        k = self.draft_length.next_k()
+        draft = self._draft(k)
         window = [pending] + draft.tokens
         snapshot = snapshot_untrimmable(self.cache)
         logits = self._verify(window, snapshot)
@@ -259,10 +276,16 @@ class SpeculativeDecoder:
         if self.target.telemetry is not None:
             used = {ExpertKey(l, int(e)) for l, ids in self._routing.items() for e in np.unique(ids)}
             self.target.telemetry.end_verify(n, len(self._queued), len(self._queued - used))
-        self._score_forecast()
+        if k:
+            self._score_forecast()  # plain rounds made no forecast: they do not count against recall
         self.predictor.observe(self._routing)
         self._rewind(window, n, snapshot)
-        self.drafter.settle(n, token)
+        if k:
+            self.drafter.settle(n, token)
+        else:
+            self.drafter.skip(token)
+        self.draft_length.record(k, n)
+        self.stats.n_plain_rounds += k == 0
         self.stats.n_rounds += 1
         self.stats.n_drafted += len(draft.tokens)
         self.stats.n_accepted += n

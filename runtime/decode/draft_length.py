@@ -1,0 +1,63 @@
+"""DraftLength: how many tokens the drafter proposes in each round (adaptive K, down to 0).
+
+A drafter the target rarely accepts costs a drafter pass per proposed token and a
+K+1-token verify for about one emitted token: slower than plain decoding. So K
+follows acceptance, round by round:
+- after a round with K > 0: all K accepted -> K + 1 (at most k_max); none accepted
+  -> K - 1; the running acceptance (an exponential average of accepted/proposed per
+  round) below `floor` -> K = 0.
+- K = 0 is plain decoding (one target token per round, no drafter work) for a
+  stretch of `backoff` rounds, then one probe round with K = 1; a probe that is
+  rejected doubles the stretch (up to max_backoff), an accepted one resets it.
+
+Invariants: K is always in 0..k_max; with adaptive=False, K is k_max every round;
+the choice depends only on earlier acceptance, so two runs that accept the same
+drafts choose the same K (the oracle's recording run replays exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DraftLength:
+    k_max: int  # --num-draft
+    adaptive: bool = True
+    floor: float = 0.2  # running acceptance below this: fall back to plain decoding
+    weight: float = 0.3  # weight of the newest round in the running acceptance
+    backoff: int = 4  # plain rounds before the next probe (doubles while probes fail)
+    max_backoff: int = 64
+
+    def __post_init__(self):
+        self.k = self.k_max  # the K of the next round
+        self.acceptance = 1.0  # running acceptance (optimistic start: begin at k_max)
+        self.stretch = self.backoff  # plain rounds per fallback
+        self.plain_left = 0  # plain rounds left before the probe
+        self.probing = False  # the next/last K=1 round is a probe
+
+    def next_k(self) -> int:
+        return self.k
+
+    def record(self, k: int, n_accepted: int) -> None:
+        """The round just verified proposed `k` tokens and accepted `n_accepted` of them."""
+        if not self.adaptive:
+            return
+        if k == 0:
+            self.plain_left -= 1
+            if self.plain_left <= 0:
+                self.k, self.probing = 1, True
+            return
+        self.acceptance += self.weight * (n_accepted / k - self.acceptance)
+        if self.probing:
+            self.probing = False
+            if n_accepted:
+                self.stretch, self.acceptance = self.backoff, max(self.acceptance, self.floor)
+                self.k = min(2, self.k_max)
+            else:
+                self.stretch = min(2 * self.stretch, self.max_backoff)
+                self.k, self.plain_left = 0, self.stretch
+            return
+        self.k = min(k + 1, self.k_max) if n_accepted == k else k - 1 if n_accepted == 0 else k
+        if self.acceptance < self.floor or self.k == 0:
+            self.k, self.plain_left = 0, self.stretch
