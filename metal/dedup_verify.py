@@ -321,9 +321,10 @@ def moe_verify_reference(x: mx.array, inds: mx.array, scores: mx.array, slab: Ma
 
 
 def dedup_switch_glu(switch: SwitchGLU, x: mx.array, slot_inds: mx.array) -> mx.array:
-    """Exactly what `switch(x, slot_inds)` returns, (..., k, D), computed grouped by expert.
+    """What `switch(x, slot_inds)` returns, (..., k, D), computed grouped by expert.
 
-    Metal kernel if available and self-checked, else the reference; linears the grouped
+    Metal kernel if available and self-checked (within `tolerance` of stock, not bit-exact),
+    else the reference (bit-identical to stock on the CPU backend); linears the grouped
     path cannot express (bias, global scale) and mismatched shapes go to `switch` itself.
     """
     weights = weights_from_switch(switch)
@@ -344,7 +345,8 @@ def window_switch_glu(switch: SwitchGLU, x: mx.array, slot_inds: mx.array) -> mx
     """A window's expert outputs: the dedup kernel where it runs, else the stock switch.
 
     Without the kernel, grouping gains no arithmetic (see the module docstring) and costs a
-    sort and a scatter per layer, which at small sizes is measurable; both are bit-identical.
+    sort and a scatter per layer, which at small sizes is measurable; the stock switch is used
+    then, so the output is stock's exactly. With the kernel it is within `tolerance` of it.
     """
     if kernel_would_run(switch, slot_inds.size):
         return dedup_switch_glu(switch, x, slot_inds)

@@ -6,9 +6,19 @@ layer's output: stock mlx-lm SwitchGLU + score-weighted sum, `moe_verify_referen
 and (where Metal exists) the Metal kernel. It reports max errors against the same
 `tolerance` the in-process KernelGate applies, and median timings of each.
 
+`run_coverage` repeats the check on the shapes the kernel handles differently:
+groups of more than ROWS (8) rows for one expert (the weight row is walked again),
+windows of fewer than 8 pairs, float16, and float32 activations with bfloat16
+scales (mixed promotion).
+
 Invariants: the report is complete whether or not Metal exists (the kernel line then
 says why it was skipped); `passed` is False iff some available comparison exceeded
-its tolerance or the kernel failed to run.
+its tolerance or the kernel failed to run; `result` is PASS only if the kernel ran
+and matched, SKIPPED if it did not run (no Metal, or a --bits / layer the kernel
+cannot compute: then only reference vs stock was checked), FAIL otherwise.
+What is checked: reference vs stock mlx-lm (bit-exact on the CPU backend) and kernel
+vs reference within `tolerance` (rtol 1e-4 float32, 5e-3 float16, 3e-2 bfloat16 of
+the output's largest magnitude): the kernel is close to, not bit-identical with, stock.
 """
 
 from __future__ import annotations
@@ -24,9 +34,12 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
+from mlx_lm.models.switch_layers import SwiGLU
+
 from metal.dedup_verify import (
     grouped_metal,
     group_by_expert,
+    kernel_unsupported,
     max_error,
     moe_verify_reference,
     tolerance,
@@ -123,7 +136,8 @@ class SelfCheckConfig:
     n_slots: int = 32  # cache slots in the slab
     bits: int = 4  # weight bits
     group_size: int = 64  # quantization group
-    dtype: str = "bfloat16"  # activations and scales
+    dtype: str = "bfloat16"  # activations (and scales unless scale_dtype is set)
+    scale_dtype: str | None = None  # scales and biases; None: dtype
     routing: str = "skewed"  # random | overlap | skewed
     trials: int = 5  # timed runs per variant (median reported)
     seed: int = 0
@@ -132,8 +146,8 @@ class SelfCheckConfig:
         for name in ("tokens", "top_k", "d_model", "hidden", "n_slots", "trials"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPES or self.scale_dtype not in (*DTYPES, None):
+            raise ValueError(f"dtype {self.dtype!r} / scale_dtype {self.scale_dtype!r}: expected one of {sorted(DTYPES)}")
         if self.bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8, got {self.bits}")
         if self.group_size not in (32, 64, 128):
@@ -162,14 +176,24 @@ class SelfCheckReport:
     kernel_tolerance: float | None = None
     timings_ms: dict[str, float | None] = field(default_factory=dict)  # stock, reference, kernel: medians
 
+    max_group_rows: int = 0  # most pairs routed to one expert (> ROWS: the kernel re-walks weights)
+
     @property
     def passed(self) -> bool:
+        """No comparison that ran exceeded its tolerance (a skipped kernel is not a failure)."""
         kernel_fine = self.kernel_status == "ok" or self.kernel_status.startswith("skipped")
         return self.reference_error <= self.reference_tolerance and kernel_fine
 
+    @property
+    def result(self) -> str:
+        """PASS (kernel ran and matched), SKIPPED (kernel not run; reference vs stock held), or FAIL."""
+        if not self.passed:
+            return "FAIL"
+        return "PASS" if self.kernel_status == "ok" else "SKIPPED"
+
     def to_json(self) -> dict:
         d = asdict(self)
-        d["passed"] = self.passed
+        d["passed"], d["result"] = self.passed, self.result
         return d
 
 
@@ -186,7 +210,8 @@ def _gpu_name() -> str:
 def run_selfcheck(config: SelfCheckConfig) -> SelfCheckReport:
     dtype = DTYPES[config.dtype]
     q = dict(group_size=config.group_size, bits=config.bits)
-    slab = random_slab(config.n_slots, config.d_model, config.hidden, dtype=dtype, seed=config.seed, **q)
+    slab = random_slab(config.n_slots, config.d_model, config.hidden, dtype=DTYPES[config.scale_dtype or config.dtype],
+                       seed=config.seed, **q)
     switch = stock_switch_glu(slab, **q)
     ids, raw_scores = make_routing(config.tokens, config.top_k, config.n_slots, config.routing, config.seed)
     inds, scores = mx.array(ids)[None], mx.array(raw_scores)[None]  # (1, T, k): a batch of one, as models call it
@@ -206,10 +231,14 @@ def run_selfcheck(config: SelfCheckConfig) -> SelfCheckReport:
                   "platform": platform.platform(), "gpu": _gpu_name()},
         n_pairs=n_pairs, n_unique=n_unique, reference_error=max_error(ref, want),
         reference_tolerance=tolerance(want, dtype), kernel_status="skipped: no Metal device on this machine",
+        max_group_rows=int(np.bincount(ids.reshape(-1)).max()),
     )
+    unsupported = kernel_unsupported(weights_from_slab(slab, **q), SwiGLU())
+    if unsupported is not None:
+        report.kernel_status = f"skipped: the kernel cannot run this layer ({unsupported}); verify uses the reference"
     timings = {"stock": median_ms(stock, trials=config.trials), "reference": median_ms(reference, trials=config.trials),
                "kernel": None}
-    if report.metal_available:
+    if report.metal_available and unsupported is None:
         weights = weights_from_slab(slab, **q)
         grouping = group_by_expert(inds)
         x2d = x.reshape(-1, config.d_model)
@@ -249,12 +278,47 @@ def format_report(report: SelfCheckReport) -> str:
         f"versions             mlx {versions['mlx']}, mlx-lm {versions['mlx-lm']}, python {versions['python']}",
         f"platform             {versions['platform']}",
         f"shapes               T={c.tokens} tokens x top-{c.top_k} of {c.n_slots} slots; D={c.d_model}, H={c.hidden}; "
-        f"{c.bits}-bit, group {c.group_size}; {c.dtype}; {c.routing} routing",
-        f"window               {report.n_pairs} pairs, {report.n_unique} unique experts",
+        f"{c.bits}-bit, group {c.group_size}; {c.dtype}"
+        f"{f' activations, {c.scale_dtype} scales' if c.scale_dtype else ''}; {c.routing} routing",
+        f"window               {report.n_pairs} pairs, {report.n_unique} unique experts, "
+        f"at most {report.max_group_rows} rows per expert",
         f"reference vs stock   max error {ref_note}  (tolerance {report.reference_tolerance:.3g})",
         f"kernel vs reference  {kernel_line}",
         f"{f'timings (median/{c.trials})':<21}stock {_ms(t.get('stock'))}   reference {_ms(t.get('reference'))}   "
         f"kernel {_ms(t.get('kernel'))}",
-        f"result               {'PASS' if report.passed else 'FAIL'}",
+        f"result               {report.result}"
+        + ("  (the kernel did not run: nothing about it was checked)" if report.result == "SKIPPED" else ""),
     ]
+    return "\n".join(lines)
+
+
+def coverage_configs(config: SelfCheckConfig) -> dict[str, SelfCheckConfig]:
+    """Small cases for the shapes the kernel treats differently, at `config`'s bits and group size."""
+    base = dict(d_model=256, hidden=128, bits=config.bits, group_size=config.group_size, trials=1, seed=config.seed)
+    return {
+        "groups over 8 rows": SelfCheckConfig(tokens=12, top_k=4, n_slots=8, routing="overlap", dtype="float32", **base),
+        "window under 8 pairs": SelfCheckConfig(tokens=2, top_k=3, n_slots=8, routing="random", dtype="float32", **base),
+        "float16": SelfCheckConfig(tokens=4, top_k=4, n_slots=16, routing="skewed", dtype="float16", **base),
+        "float32 x, bf16 scales": SelfCheckConfig(tokens=4, top_k=4, n_slots=16, routing="skewed", dtype="float32",
+                                                  scale_dtype="bfloat16", **base),
+    }
+
+
+def run_coverage(config: SelfCheckConfig) -> dict[str, SelfCheckReport]:
+    return {name: run_selfcheck(c) for name, c in coverage_configs(config).items()}
+
+
+def overall_result(reports) -> str:
+    """FAIL if any report failed, else SKIPPED if any kernel did not run, else PASS."""
+    results = {r.result for r in reports}
+    return "FAIL" if "FAIL" in results else "SKIPPED" if "SKIPPED" in results else "PASS"
+
+
+def format_coverage(reports: dict[str, SelfCheckReport]) -> str:
+    lines = ["coverage (D=256, H=128):",
+             f"  {'case':<24}{'pairs':>6}{'rows/expert':>12}  {'reference vs stock':<22}kernel vs reference"]
+    for name, r in reports.items():
+        ref = "0 (bit-exact)" if r.reference_error == 0 else f"{r.reference_error:.3g} (tol {r.reference_tolerance:.3g})"
+        kernel = r.kernel_status if r.kernel_error is None else f"{r.kernel_error:.3g} (tol {r.kernel_tolerance:.3g}) {r.kernel_status}"
+        lines.append(f"  {name:<24}{r.n_pairs:>6}{r.max_group_rows:>12}  {ref:<22}{kernel}")
     return "\n".join(lines)

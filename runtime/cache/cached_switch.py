@@ -19,7 +19,12 @@ Invariants:
   inside an OneSyncPass the lookup happens on the device and the pass syncs once.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
-  else the stock SwitchGLU, as single tokens do; all of these are bit-identical.
+  else the stock SwitchGLU, as single tokens do.
+- What is exact: without the kernel (every non-Metal backend, unsupported layers,
+  windows over KERNEL_MAX_PAIRS) the output is stock mlx-lm's, bit for bit. The kernel
+  (Metal only) matches the reference within metal.dedup_verify.tolerance (rtol 1e-4
+  float32, 5e-3 float16, 3e-2 bfloat16 of the output's largest magnitude), checked at
+  its first use per configuration: close to, not bit-identical with, stock.
 """
 
 from __future__ import annotations

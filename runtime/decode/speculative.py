@@ -18,7 +18,11 @@ is the last emitted token (not yet seen by the target):
 
 Invariant: greedy output equals greedy decoding of the target alone; sampled
 output has the target's distribution. The predictor only changes what is read
-when, never what is computed.
+when, never what is computed. "Equals" is bit-exact where verify windows run
+stock mlx-lm arithmetic (the CPU backend: tested); on Metal the dedup kernel
+computes windows within metal.dedup_verify.tolerance of stock, and MLX's own
+multi-token kernels may round differently from single-token decode, so a near-tie
+in the argmax can resolve differently there (as in any speculative decoder).
 """
 
 from __future__ import annotations
