@@ -224,13 +224,34 @@ def register(app: typer.Typer) -> None:
                 task = bar.add_task("calibrating", total=min(max_tokens, len(om.tokenizer.encode(corpus))))
                 proj, report = fit(om, draft_model, draft_config, corpus, max_tokens=max_tokens,
                                    progress=lambda n: bar.advance(task, n))
-            path = out or default_projection_path(om.store.model_dir, draft_config)
-            proj.save(path)
-            table = Table(title=f"projection fit on {report.n_tokens} tokens (held-out)")
+            default = default_projection_path(om.store.model_dir, draft_config)
+            base = report.baseline_agreement
+            table = Table(title=f"projection fit on {report.n_tokens - report.held_out_tokens} tokens; "
+                                f"scores on {report.held_out_tokens} held-out tokens")
             table.add_column("layer"), table.add_column("R^2"), table.add_column("router top-k agreement")
+            if base:
+                table.add_column("no projection")
+            worse = set(report.worse_layers())
             for l in sorted(report.r2):
-                table.add_row(str(l), f"{report.r2[l]:.3f}", f"{report.agreement[l]:.1%}")
+                row = [str(l), f"{report.r2[l]:.3f}", f"{report.agreement[l]:.1%}"] + ([f"{base[l]:.1%}"] if base else [])
+                table.add_row(*row, style="red" if l in worse else None)
             console.print(table)
+            if worse:
+                what = "lower router agreement than no projection" if base else "R^2 < 0"
+                err_console.print(f"warning: the projection does worse than none on layers {sorted(worse)} "
+                                  f"(held-out {what})", highlight=False)
+            why = report.worse_than_none()
+            if why is not None and (out is None or out == default):
+                err_console.print(f"warning: not installed: {why}. `generate` will not use it; "
+                                  f"pass --out PATH to keep it elsewhere (and --projection PATH to try it)", highlight=False)
+                if default.exists():
+                    err_console.print(f"note: an earlier projection is still at {default}; remove it if it is stale",
+                                      highlight=False)
+                return
+            path = out or default
+            proj.save(path)
+            if why is not None:
+                err_console.print(f"warning: {why}; written to {path} because --out asked for it", highlight=False)
             err_console.print(f"wrote {path}")
         finally:
             om.close()
