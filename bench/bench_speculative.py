@@ -8,10 +8,15 @@ verify pass asks. What the drafter costs and how often it is right decide
 whether this pays. Reads go through O_DIRECT by default so misses cost real disk
 time here, as SSD reads do on a Mac.
 
-Variants, all greedy on the same prompts, each starting from an empty cache:
+Variants, all greedy on the same prompts, each starting from an empty cache (the
+oracle's recording run included: its cache is emptied before the measured run):
 no-spec, spec+none, spec+previous, spec+spmoe, spec+oracle, at each budget. The
-variants of one prompt run back to back and "vs no-spec" is the median of those
-per-prompt ratios, so load from other tenants of the machine mostly cancels.
+variants of one prompt run back to back, in a fresh order each pass, and "vs
+no-spec" is the median of those per-prompt ratios with its min-max, so load from
+other tenants of the machine mostly cancels and what remains shows as spread.
+Prompts come from bench/prompts.txt: written for the bench, not taken from the
+embedded pair's training text (runtime/data/tiny/card.json), so recall and
+acceptance are held-out figures.
 The target is packed (`specmoe convert`) into a temporary store first: one read
 per expert, as the runtime is meant to be used. Prints a table and ends with one
 JSON line.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -34,12 +40,7 @@ from runtime.decode import OffloadConfig, OffloadedModel  # noqa: E402
 from runtime.decode import run_speculative  # noqa: E402
 from storage.packer import convert  # noqa: E402
 
-PROMPTS = [
-    "To be, or not to be, that is the question:",
-    "The function returns a list of the lines in the file,",
-    "Enter the king and his lords, with attendants.",
-    "If the argument is omitted, the default value is used, and",
-]
+PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 VARIANTS = ["no-spec", "none", "previous", "spmoe", "oracle"]
 
 
@@ -59,7 +60,8 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
                                            predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
                                            draft_config=dconfig, one_sync=args.one_sync,
-                                           forecast_k=args.forecast_k, forecast_limit=args.forecast_limit)
+                                           forecast_k=args.forecast_k, forecast_limit=args.forecast_limit,
+                                           adaptive_k=not args.fixed_k)
         c = stats.counters
         forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
         return {"tokens_per_s": stats.n_tokens / stats.decode_s, "tokens": stats.n_tokens, "misses": c["misses"],
@@ -67,7 +69,8 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                 "tokens_per_verify": stats.tokens_per_verify, "recall": stats.recall(layers or None),
                 "precision": stats.precision(layers or None),
                 "forecast_per_layer": forecast / max(1, stats.n_rounds * len(layers)),
-                "one_sync_share": (stats.one_sync_tries - stats.one_sync_fallbacks) / max(1, stats.n_rounds)}
+                "one_sync_share": (stats.one_sync_tries - stats.one_sync_fallbacks) / max(1, stats.n_rounds),
+                "mean_k": stats.mean_k}
     finally:
         om.close()
 
@@ -76,11 +79,14 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
     """Median tok/s over prompt runs; vs no-spec = median of per-run ratios to no-spec on the same
     prompt and repeat (variants of a prompt run back to back, so machine drift mostly cancels)."""
     tokens = sum(r["tokens"] for r in runs)
+    ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base)] if base else None
     out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-           "vs_no_spec": statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base)) if base else None,
+           "vs_no_spec": statistics.median(ratios) if ratios else None,
+           "vs_no_spec_min": min(ratios) if ratios else None, "vs_no_spec_max": max(ratios) if ratios else None,
+           "n_runs": len(runs),
            "misses_per_token": sum(r["misses"] for r in runs) / tokens,
            "mb_read_per_token": sum(r["mb"] for r in runs) / tokens}
-    for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share"):
+    for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share", "mean_k"):
         out[key] = statistics.mean(r[key] for r in runs) if key in runs[0] else None
     return out
 
@@ -93,6 +99,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--cutoff", type=int, default=None)
+    ap.add_argument("--fixed-k", action="store_true", help="always propose K (default: adaptive K, down to plain rounds)")
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"])
     ap.add_argument("--raw", action="store_true",
                     help="read the mlx-lm checkpoint directly (several reads per expert) instead of a packed "
@@ -103,7 +110,8 @@ def main() -> None:
     ap.add_argument("--forecast-k", type=int, default=None, help="experts spmoe takes per window token (default k)")
     ap.add_argument("--forecast-limit", type=int, default=None,
                     help="experts forecast per layer per round at most (default 2k)")
-    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: steadier medians)")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (more: steadier medians)")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="one prompt per line (default: bench/prompts.txt)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
@@ -117,31 +125,34 @@ def main() -> None:
         source, target = target, convert(target, Path(scratch.name) / target.name)
 
     variants = args.variants.split(",")
+    prompts = [l.strip() for l in args.prompts.read_text().splitlines() if l.strip()]
     results = {}
     for budget in args.budgets.split(","):
         runs = {v: [] for v in variants}
-        for _ in range(args.repeats):
-            for prompt in PROMPTS:
-                for variant in variants:  # back to back on one prompt: drift hits all variants alike
+        for rep in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                order = random.Random(rep * 1000 + i).sample(variants, len(variants))  # no variant always runs first
+                for variant in order:  # back to back on one prompt: drift hits all variants alike
                     runs[variant].append(run_once(target, draft, variant, budget, prompt, args))
         for variant in variants:
             results[f"{budget} {variant}"] = summarise(runs[variant], runs.get("no-spec"))
-    print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, "
+    print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(prompts)} prompts, "
           f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}, {args.repeats} pass(es); "
-          "tok/s: median over runs; vs no-spec: median of per-prompt ratios"
+          "tok/s: median over runs; vs no-spec: median [min-max] of per-prompt ratios"
           + (f"; EMULATED read latency +{args.emulate_read_ms} ms per expert" if args.emulate_read_ms else ""))
-    print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec':>12}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
-          f"{'recall':>8}{'precis.':>8}{'fc/layer':>9}{'1-sync':>8}")
+    print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec [min-max]':>22}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
+          f"{'recall':>8}{'precis.':>8}{'fc/layer':>9}{'1-sync':>8}{'K':>7}")
     for key, r in results.items():
         fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
-        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{fmt(r['vs_no_spec'], '{:.2f}'):>12}{r['misses_per_token']:>12.2f}"
+        spread = f"{r['vs_no_spec']:.2f} [{r['vs_no_spec_min']:.2f}-{r['vs_no_spec_max']:.2f}]" if r["vs_no_spec"] else "-"
+        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{spread:>22}{r['misses_per_token']:>12.2f}"
               f"{r['mb_read_per_token']:>9.3f}{fmt(r['acceptance'], '{:.0%}'):>8}{fmt(r['tokens_per_verify'], '{:.2f}'):>11}"
               f"{fmt(r['recall'], '{:.2f}'):>8}{fmt(r['precision'], '{:.2f}'):>8}"
-              f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}")
+              f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}{fmt(r['mean_k'], '{:.2f}'):>7}")
     print(json.dumps({"bench": "speculative", "target": str(source if scratch else target), "packed": not args.raw, "draft": str(draft), "num_draft": args.num_draft,
                       "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
-                      "one_sync": args.one_sync, "forecast_k": args.forecast_k,
-                      "forecast_limit": args.forecast_limit,
+                      "one_sync": args.one_sync, "forecast_k": args.forecast_k, "adaptive_k": not args.fixed_k,
+                      "forecast_limit": args.forecast_limit, "repeats": args.repeats, "prompts": prompts,
                       "results": results}))
     if scratch is not None:
         scratch.cleanup()

@@ -268,3 +268,29 @@ def test_offload_config_governor_runs_a_thread_until_close(packed_dirs):
     assert {"governor_shrinks", "usable_slots", "bytes_released"} <= set(om.counters())
     om.close()
     assert not thread.is_alive()
+
+
+def test_on_macos_a_shrink_evicts_but_returns_no_memory(monkeypatch):
+    """What the governor does where release_pages cannot return memory (macOS, simulated by the
+    platform name): experts beyond the usable slots are evicted and never refilled, the slab keeps
+    its size and bytes, 0 bytes are reported released, and returns_memory says so."""
+    import runtime.cache.slab as slab
+
+    monkeypatch.setattr(slab.sys, "platform", "darwin")
+    kib = 1 << 10
+    lay = LayerLayout(0, "model.layers.0.mlp.switch_mlp", 64, (ExpertTensor("gate_proj.weight", "U8", (64 * kib,), 64 * kib),),
+                      {"gate_proj": None})
+    cache = ExpertCache({0: lay}, {0: 8}, loader=None, min_usable=2)
+    for s in range(8):
+        cache.slot_views(0, s)[0][:] = 7
+        key = ExpertKey(0, s)
+        cache.table.reserve(key)
+        cache.table.commit(key)
+    assert cache.set_usable_slots(2) == 6  # evicted
+    assert cache.resize_stats.bytes_released == 0 and not cache.returns_memory
+    assert cache.nbytes == 8 * 64 * kib and (cache.slot_views(0, 7)[0] == 7).all()  # the memory is still there
+    assert cache.table.valid_count(0) == 2
+    gov = MemoryGovernor(cache, GovernorConfig())
+    assert gov.counters()["returns_memory"] == 0 and gov.counters()["bytes_released"] == 0
+    monkeypatch.setattr(slab.sys, "platform", "linux")
+    assert gov.counters()["returns_memory"] == 1  # Linux: madvise returns the pages

@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.cache.cache_stats import CallStats, ResizeStats
-from runtime.cache.slab import allocate_slab, release_pages
+from runtime.cache.slab import allocate_slab, pages_returnable, release_pages
 from runtime.cache.slot_table import FREE, LOADING, VALID, SlotTable
 from storage import AsyncLoader, ExpertKey, LayerLayout
 from storage.loader import DEMAND, PREFETCH, LoadTicket
@@ -99,6 +99,11 @@ class ExpertCache:
 
     def stats(self):
         return {l: ls.stats for l, ls in self.table.layers.items()}
+
+    @property
+    def returns_memory(self) -> bool:
+        """Whether a shrink hands slab pages back to the OS here (Linux); elsewhere it only evicts."""
+        return pages_returnable()
 
     # -- resizing (memory governor) ------------------------------------------------------
     def request_usable_slots(self, n: int | dict[int, int]) -> None:

@@ -18,6 +18,14 @@ level in [0, 1] sets every layer's usable slots to
 - in between: hold. The gap between low and high is the hysteresis that keeps
   the cache from oscillating when memory hovers near one threshold.
 
+What a shrink frees, exactly: on Linux the pages of the slots beyond the usable
+range go back to the OS (madvise MADV_DONTNEED; `bytes_released` counts them and RSS
+drops). On macOS nothing is returned: the slabs are Metal shared buffers allocated
+once, release_pages() reports 0, and a shrink only evicts the experts beyond the
+usable range and stops filling those slots -- the process footprint stays the same
+(the untouched pages may be compressed or swapped by the OS like any idle memory,
+not measured here: no Mac). `counters()["returns_memory"]` says which case applies.
+
 Invariants: usable slots stay within [top-k, budget slots]; the governor only
 *requests* sizes and ExpertCache applies them where no call is in progress, so a
 resize never races a forward pass; tokens are unchanged by any resize (only what
@@ -163,7 +171,8 @@ class MemoryGovernor:
         r = self.cache.resize_stats
         return {"governor_shrinks": self.stats.n_shrinks, "governor_grows": self.stats.n_grows,
                 "usable_slots": self.cache.total_usable_slots(),
-                "resize_evicted": r.n_evicted, "bytes_released": r.bytes_released}
+                "resize_evicted": r.n_evicted, "bytes_released": r.bytes_released,
+                "returns_memory": int(self.cache.returns_memory)}
 
     # -- the thread --------------------------------------------------------------------
     def start(self) -> "MemoryGovernor":

@@ -24,6 +24,11 @@ _MX_DTYPE = {
 _PAGE = mmap.PAGESIZE
 
 
+def pages_returnable() -> bool:
+    """Whether release_pages() can hand slab memory back to the OS on this platform (Linux only)."""
+    return sys.platform.startswith("linux") and _libc() is not None
+
+
 def release_pages(address: int, nbytes: int) -> int:
     """Give the whole pages inside [address, address + nbytes) back to the OS; returns bytes.
 
@@ -34,7 +39,7 @@ def release_pages(address: int, nbytes: int) -> int:
     """
     start = -(-address // _PAGE) * _PAGE
     end = (address + nbytes) // _PAGE * _PAGE
-    if end <= start or not sys.platform.startswith("linux"):
+    if end <= start or not pages_returnable():
         return 0
     import ctypes
 
