@@ -13,7 +13,7 @@ scales (mixed promotion).
 
 Invariants: the report is complete whether or not Metal exists (the kernel line then
 says why it was skipped); `passed` is False iff some available comparison exceeded
-its tolerance or the kernel failed to run; `result` is PASS only if the kernel ran
+its tolerance or the kernel failed to run; `status` is PASS only if the kernel ran
 and matched, SKIPPED if it did not run (no Metal, or a --bits / layer the kernel
 cannot compute: then only reference vs stock was checked), FAIL otherwise.
 What is checked: reference vs stock mlx-lm (bit-exact on the CPU backend) and kernel
@@ -185,7 +185,7 @@ class SelfCheckReport:
         return self.reference_error <= self.reference_tolerance and kernel_fine
 
     @property
-    def result(self) -> str:
+    def status(self) -> str:
         """PASS (kernel ran and matched), SKIPPED (kernel not run; reference vs stock held), or FAIL."""
         if not self.passed:
             return "FAIL"
@@ -193,7 +193,7 @@ class SelfCheckReport:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["passed"], d["result"] = self.passed, self.result
+        d["passed"], d["status"] = self.passed, self.status
         return d
 
 
@@ -286,8 +286,8 @@ def format_report(report: SelfCheckReport) -> str:
         f"kernel vs reference  {kernel_line}",
         f"{f'timings (median/{c.trials})':<21}stock {_ms(t.get('stock'))}   reference {_ms(t.get('reference'))}   "
         f"kernel {_ms(t.get('kernel'))}",
-        f"result               {report.result}"
-        + ("  (the kernel did not run: nothing about it was checked)" if report.result == "SKIPPED" else ""),
+        f"result               {report.status}"
+        + ("  (the kernel did not run: nothing about it was checked)" if report.status == "SKIPPED" else ""),
     ]
     return "\n".join(lines)
 
@@ -310,7 +310,7 @@ def run_coverage(config: SelfCheckConfig) -> dict[str, SelfCheckReport]:
 
 def overall_result(reports) -> str:
     """FAIL if any report failed, else SKIPPED if any kernel did not run, else PASS."""
-    results = {r.result for r in reports}
+    results = {r.status for r in reports}
     return "FAIL" if "FAIL" in results else "SKIPPED" if "SKIPPED" in results else "PASS"
 
 

@@ -385,7 +385,7 @@ def test_selfcheck_coverage_cases_and_unsupported_bits(monkeypatch):
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     r = run_selfcheck(SelfCheckConfig(tokens=3, top_k=4, d_model=128, hidden=64, n_slots=8, trials=1,
                                       dtype="float32", bits=3))
-    assert r.kernel_status.startswith("skipped") and "3-bit" in r.kernel_status and r.result == "SKIPPED", r.kernel_status
+    assert r.kernel_status.startswith("skipped") and "3-bit" in r.kernel_status and r.status == "SKIPPED", r.kernel_status
 
 
 def test_selfcheck_command_rejects_bad_shapes():
