@@ -59,3 +59,27 @@ def test_tune_writes_tuning_json_that_generate_uses(pair, tmp_path):
         tuned["num_draft"], tuned["predictor"], tuned["cutoff"], tuned["policy"])
     code, _, err = run_cli(["generate", "-m", str(target), "-p", "hi", "-n", "4", "--draft", str(drafter), "--budget", "25%"])
     assert code == 0 and "no entry for this drafter, budget '25%'" in err
+
+
+@pytest.mark.slow
+def test_sweep_cutoff_repeats_passes_and_reports_their_spread(pair, tmp_path):
+    target, drafter, prompts = pair
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    code, stdout, err = run_cli(["sweep", "cutoff", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts),
+                                 "-n", "4", "--repeats", "2", "--json", str(out), "--plot", str(png)])
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["measured"] and all(m["n_passes"] == 2 for m in report["measured"])
+    assert all(m["tokens_per_s_min"] <= m["tokens_per_s"] <= m["tokens_per_s_max"] for m in report["measured"])
+    assert "pass(es)" in report["reason"] and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_tune_at_a_budget_holding_every_expert_says_prefetch_does_not_apply(pair, tmp_path):
+    target, drafter, prompts = pair
+    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "-n", "4",
+                                 "--budget", "100%", "--json", str(tmp_path / "t.json")])
+    assert code == 0, err
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["prefetch_applies"] is False and "prefetch does not apply" in report["reason"]
+    assert all(m["setting"]["cutoff"] == 0 for m in report["measured"]) and "prefetch does not apply" in err

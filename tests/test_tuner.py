@@ -80,3 +80,19 @@ def test_median_of_passes():
     assert m.tokens_per_s == 11.0 and m.setting.cutoff == 2
     with pytest.raises(ValueError):
         median_measurement([_m(2, 10.0), _m(3, 10.0)])
+
+
+def _passes(cutoff, passes, k=3):
+    from runtime.tune.tuner import median_measurement
+
+    return median_measurement([_m(cutoff, t, k=k) for t in passes])
+
+
+def test_a_winner_inside_the_noise_is_not_declared():
+    """Repeated passes that overlap: the faster median does not win, the simpler setting stays."""
+    noisy = [_passes(0, [10.5, 11.0, 11.5]), _passes(4, [9.0, 12.0, 13.0])]
+    c = choose(noisy)
+    assert c.setting.cutoff == 0 and "no winner outside the noise" in c.reason and "[9.00-13.00]" in c.reason
+    clear = [_passes(0, [10.5, 11.0, 11.5]), _passes(4, [12.8, 13.0, 13.2])]
+    c = choose(clear)
+    assert c.setting.cutoff == 4 and "outside the noise" in c.reason and "3 pass(es)" in c.reason

@@ -3,7 +3,11 @@
 Runs the shipped target under a budget holding ~40% of its experts: plain
 offloaded decoding, speculative decoding without prefetch, and speculative
 decoding with spmoe prefetch. All three are greedy, so their text must be
-identical; the table shows what each cost.
+identical; the table shows what each cost. The three run `--repeats` times,
+interleaved in a fresh order each pass; tok/s is the median with its min-max, and
+"vs plain" the median of per-pass ratios with their min-max. A variant is called
+faster or slower than plain only when every pass agrees; otherwise it is within
+the noise and the table says so.
 """
 
 from __future__ import annotations
@@ -27,11 +31,38 @@ def _row(name, tokens_per_s, tel_summary, n_tokens, acceptance=None, tpv=None):
             "pairs_per_layer_per_verify": s["pairs_per_layer_per_verify"], "acceptance": acceptance, "tokens_per_verify": tpv}
 
 
-def run_demo(target: Path, draft: Path, prompt: str, max_tokens: int, budget: str, num_draft: int, io_mode: str) -> dict:
+def run_demo(target: Path, draft: Path, prompt: str, max_tokens: int, budget: str, num_draft: int, io_mode: str,
+             repeats: int = 3) -> dict:
+    import random
+    import statistics
+
+    variants = [("plain", None), ("spec, no prefetch", "none"), ("spec + spmoe prefetch", "spmoe")]
+    passes = [run_variants(target, draft, prompt, max_tokens, budget, num_draft, io_mode,
+                           random.Random(r).sample(variants, len(variants))) for r in range(repeats)]
+    rows = []
+    for name, _ in variants:
+        row = dict(passes[-1]["rows"][name])
+        tps = [p["rows"][name]["tokens_per_s"] for p in passes]
+        ratios = [p["rows"][name]["tokens_per_s"] / p["rows"]["plain"]["tokens_per_s"] for p in passes]
+        row.update(tokens_per_s=statistics.median(tps), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
+                   vs_plain=statistics.median(ratios), vs_plain_min=min(ratios), vs_plain_max=max(ratios),
+                   verdict="-" if name == "plain" else "faster" if min(ratios) > 1 else "slower" if max(ratios) < 1
+                   else "within the noise")
+        rows.append(row)
+    tokens_by = {name: p["tokens"][name] for p in passes for name in p["tokens"]}
+    identical = len({tuple(t) for p in passes for t in p["tokens"].values()}) == 1
+    first = passes[0]
+    return {"prompt": prompt, "budget": budget, "cache_fraction": first["cache_fraction"], "rows": rows,
+            "repeats": repeats, "text": first["texts"]["plain"], "identical_outputs": identical,
+            "tokens": tokens_by["plain"]}
+
+
+def run_variants(target: Path, draft: Path, prompt: str, max_tokens: int, budget: str, num_draft: int, io_mode: str,
+                 variants: list) -> dict:
+    """One pass: each variant once, in the given order, each from a freshly loaded (empty) cache."""
     from runtime.api import load, stream_generate
 
-    rows, texts, tokens_by = [], {}, {}
-    variants = [("plain", None), ("spec, no prefetch", "none"), ("spec + spmoe prefetch", "spmoe")]
+    rows, texts, tokens_by = {}, {}, {}
     for name, predictor in variants:
         engine = load(target, budget, draft if predictor else None, num_draft=num_draft, predictor=predictor,
                       cutoff=None if predictor != "none" else 0, policy="lru", io_mode=io_mode)
@@ -45,16 +76,14 @@ def run_demo(target: Path, draft: Path, prompt: str, max_tokens: int, budget: st
             if predictor is None:
                 # Plain decoding has no verify windows: a decode step is a window of one token.
                 summary["unique_per_layer_per_verify"] = summary["pairs_per_layer_per_verify"] = float(om.top_k)
-                rows.append(_row(name, last.detail.tokens_per_s, summary, len(out)))
+                rows[name] = _row(name, last.detail.tokens_per_s, summary, len(out))
             else:
                 st = last.detail
-                rows.append(_row(name, st.n_tokens / st.decode_s, summary, len(out), st.acceptance, st.tokens_per_verify))
+                rows[name] = _row(name, st.n_tokens / st.decode_s, summary, len(out), st.acceptance, st.tokens_per_verify)
             texts[name] = om.tokenizer.decode(out)
             tokens_by[name] = out
             plan = om.plan
-    identical = len({tuple(t) for t in tokens_by.values()}) == 1
-    return {"prompt": prompt, "budget": budget, "cache_fraction": plan.fraction, "rows": rows,
-            "text": texts[variants[0][0]], "identical_outputs": identical, "tokens": tokens_by[variants[0][0]]}
+    return {"rows": rows, "texts": texts, "tokens": tokens_by, "cache_fraction": plan.fraction}
 
 
 def register(app: typer.Typer) -> None:
@@ -70,6 +99,7 @@ def register(app: typer.Typer) -> None:
                                                             "(path or hub id)."),
         draft: Path = opt.draft_option(help="Drafter to use instead of the embedded one (path or hub id)."),
         json_path: Path = opt.json_option(),
+        repeats: int = typer.Option(3, "--repeats", min=1, help="Interleaved passes (their min-max is the noise)."),
     ):
         """Run the embedded trained MoE + drafter: plain vs speculative vs speculative with expert prefetch."""
         from runtime.checkpoints import embedded_pair
@@ -82,15 +112,17 @@ def register(app: typer.Typer) -> None:
             pair = embedded_pair()
             model, draft = model or pair.target, draft or pair.default_drafter
         err_console.print(f"target {model}\ndrafter {draft}\nbudget {budget}; greedy, {max_tokens} tokens", highlight=False)
-        result = run_demo(model, draft, prompt, max_tokens, budget, num_draft, io_mode)
+        result = run_demo(model, draft, prompt, max_tokens, budget, num_draft, io_mode, repeats)
         console.print(f"[bold]{prompt}[/bold]{result['text']}", highlight=False)
         t = Table(title=f"cache holds {result['cache_fraction']:.0%} of the experts; after the prompt; outputs identical: "
                         f"{'yes' if result['identical_outputs'] else 'NO'}")
-        for col in ["variant", "tok/s", "hit rate", "misses/tok", "MB read/tok", "unique experts/layer/window",
+        for col in ["variant", "tok/s", f"min-max ({result['repeats']})", "vs plain [min-max]", "verdict", "hit rate", "misses/tok", "MB read/tok", "unique experts/layer/window",
                     "pairs/layer/window", "accept", "tok/verify"]:
             t.add_column(col, justify="right")
         for r in result["rows"]:
-            t.add_row(r["variant"], f"{r['tokens_per_s']:.1f}", f"{r['hit_rate']:.1%}", f"{r['misses_per_token']:.2f}",
+            t.add_row(r["variant"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}",
+                      f"{r['vs_plain']:.2f} [{r['vs_plain_min']:.2f}-{r['vs_plain_max']:.2f}]", r["verdict"],
+                      f"{r['hit_rate']:.1%}", f"{r['misses_per_token']:.2f}",
                       f"{r['mb_read_per_token']:.3f}", f"{r['unique_per_layer_per_verify']:.2f}",
                       f"{r['pairs_per_layer_per_verify']:.1f}",
                       "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}",

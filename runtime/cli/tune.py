@@ -19,23 +19,32 @@ _IO_HELP = "buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."
 
 def _measure_table(rows, title: str) -> Table:
     t = Table(title=title)
-    for col in ["cutoff L", "predictor", "K", "policy", "tok/s", "misses/tok", "prefetch used MB", "wasted MB", "recall", "accept"]:
+    for col in ["cutoff L", "predictor", "K", "policy", "tok/s", "min-max (passes)", "misses/tok", "prefetch used MB",
+                "wasted MB", "recall", "accept"]:
         t.add_column(col, justify="right")
     for m in rows:
         s = m.setting
-        t.add_row(str(s.cutoff), s.predictor, str(s.num_draft), s.policy, f"{m.tokens_per_s:.2f}", f"{m.misses_per_token:.2f}",
+        spread = f"{m.tokens_per_s_min:.2f}-{m.tokens_per_s_max:.2f} ({m.n_passes})" if m.n_passes > 1 else "- (1)"
+        t.add_row(str(s.cutoff), s.predictor, str(s.num_draft), s.policy, f"{m.tokens_per_s:.2f}", spread,
+                  f"{m.misses_per_token:.2f}",
                   f"{m.prefetch_used_mb:.2f}", f"{m.prefetch_wasted_mb:.2f}", f"{m.recall:.2f}", f"{m.acceptance:.0%}")
     return t
 
 
-def _run_grid(runner, settings, measured: list, bar, task) -> None:
-    done = {m.setting for m in measured}
-    for s in settings:
-        if s in done:
-            continue
-        bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
-        measured.append(runner.measure(s)[0])
-        bar.advance(task)
+def _run_grid(runner, settings, passes: dict, bar, task, repeats: int = 1) -> list:
+    """Measure `settings` not measured yet, `repeats` interleaved passes (a fresh order each pass);
+    returns every setting's median measurement with its min-max over passes."""
+    import random
+
+    from runtime.tune import median_measurement
+
+    new = [s for s in settings if s not in passes]
+    for r in range(repeats):
+        for s in random.Random(r).sample(new, len(new)):
+            bar.update(task, description=f"pass {r + 1}/{repeats}: L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
+            passes.setdefault(s, []).append(runner.measure(s)[0])
+            bar.advance(task)
+    return [median_measurement(ms) for ms in passes.values()]
 
 
 def _finish(measured, title, json_path, extra=None, interrupted=False):
@@ -58,9 +67,11 @@ def sweep_cutoff(
     policy: str = typer.Option("lru", "--policy", help="Cache eviction policy: lru or lfu."),
     io_mode: str = typer.Option("buffered", "--io-mode", help=_IO_HELP),
     json_path: Path = opt.json_option(),
-    plot: Path = typer.Option(None, "--plot", help="Write a PNG of tok/s against the cutoff."),
+    plot: Path = typer.Option(None, "--plot", help="Write a PNG of tok/s against the cutoff (error bars: min-max of passes)."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Interleaved passes per cutoff (their min-max is the noise)."),
 ):
-    """tok/s, misses, prefetch MB and recall for cutoffs L = 0 (off) .. all MoE layers; coarse grid, then refined."""
+    """tok/s, misses, prefetch MB and recall for cutoffs L = 0 (off) .. all MoE layers; coarse grid, then refined.
+    A cutoff is chosen over a simpler one only when it is faster outside the noise of the passes."""
     if num_draft < 1:
         raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
     from runtime.observe import read_prompts
@@ -74,17 +85,22 @@ def sweep_cutoff(
     runner = SettingRunner(Workload(model, draft, budget, read_prompts(prompts), max_tokens, io_mode))
     n = runner.n_moe_layers
     measured: list = []
-    title = f"cutoff sweep: {model.name}, drafter {draft.name}, budget {budget}, K={num_draft}, {predictor}"
+    passes: dict = {}
+    title = (f"cutoff sweep: {model.name}, drafter {draft.name}, budget {budget}, K={num_draft}, {predictor}, "
+             f"{repeats} pass(es)")
     try:
         with progress_bar(console=err_console) as bar:
             coarse = [Setting(c, predictor, num_draft, policy) for c in cutoff_grid(n, n)]
-            task = bar.add_task("sweep", total=len(coarse))
-            _run_grid(runner, coarse, measured, bar, task)
+            task = bar.add_task("sweep", total=len(coarse) * repeats)
+            measured = _run_grid(runner, coarse, passes, bar, task, repeats)
             best = choose(measured).setting.cutoff
             fine = [Setting(c, predictor, num_draft, policy) for c in refine(best, {m.setting.cutoff for m in measured}, n)]
-            bar.update(task, total=len(coarse) + len(fine))
-            _run_grid(runner, fine, measured, bar, task)
+            bar.update(task, total=(len(coarse) + len(fine)) * repeats)
+            measured = _run_grid(runner, fine, passes, bar, task, repeats)
     except KeyboardInterrupt:
+        from runtime.tune import median_measurement
+
+        measured = [median_measurement(ms) for ms in passes.values()]
         if measured:
             _finish(sorted(measured, key=lambda m: m.setting.cutoff), title, json_path, interrupted=True)
         raise
@@ -97,7 +113,9 @@ def sweep_cutoff(
 
         from runtime.tune import plot_cutoff
 
-        plot_cutoff([{"cutoff": m.setting.cutoff, "tokens_per_s": m.tokens_per_s} for m in measured], c.setting.cutoff,
+        plot_cutoff([{"cutoff": m.setting.cutoff, "tokens_per_s": m.tokens_per_s,
+                      "tokens_per_s_min": m.tokens_per_s_min or m.tokens_per_s,
+                      "tokens_per_s_max": m.tokens_per_s_max or m.tokens_per_s} for m in measured], c.setting.cutoff,
                     title, plot)
         err_console.print(f"wrote {plot}")
 

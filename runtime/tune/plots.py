@@ -19,7 +19,11 @@ def plot_cutoff(points: list[dict], chosen: int, title: str, out: Path) -> None:
     plt = pyplot()
     pts = sorted(points, key=lambda p: p["cutoff"])
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot([p["cutoff"] for p in pts], [p["tokens_per_s"] for p in pts], marker="o", label="measured (median over prompts)")
+    xs, ys = [p["cutoff"] for p in pts], [p["tokens_per_s"] for p in pts]
+    lo = [y - p.get("tokens_per_s_min", y) for p, y in zip(pts, ys)]
+    hi = [p.get("tokens_per_s_max", y) - y for p, y in zip(pts, ys)]
+    ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4,
+                label="median of passes (median over prompts each); bars: min-max of passes")
     best = [p for p in pts if p["cutoff"] == chosen]
     if best:
         ax.plot([chosen], [best[0]["tokens_per_s"]], marker="*", markersize=16, color="tab:red", ls="none",

@@ -5,8 +5,11 @@ Stages (each measured on the same prompts with fresh caches):
    per-expert load time the analytic bound needs;
 2. cutoffs 0..bound with spmoe (coarse grid, then refined around the best);
 3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LFU;
-6. the three fastest settings measured twice more, interleaved (their median counts).
-tuner.choose() picks from everything measured.
+6. the three fastest settings measured twice more, interleaved (their median counts,
+   their min-max is the noise band tuner.choose() compares).
+tuner.choose() picks from everything measured and names a winner only outside the noise.
+At a budget that holds every expert nothing is read after the prompt, so prefetch
+does not apply: stages 2 and 4 are skipped and the report says so.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
 
         facts = run(Setting(0, "none", 3, "lru"))
         n_experts = runner.model_id["n_experts"]
+        holds_all = runner.slots_per_layer >= n_experts
+        if holds_all:
+            err_console.print(f"the budget holds every expert ({runner.slots_per_layer} slots per layer for {n_experts} "
+                              "experts): nothing is read after the prompt, so prefetch does not apply; tuning K and "
+                              "the policy only", highlight=False)
         bound = analytic_cutoff_bound(
             n_layers=n, forecast_per_layer=2 * k, slots_per_layer=runner.slots_per_layer,
             window_unique=min(n_experts, uniform_unique_experts(n_experts, k, 4)),
@@ -49,10 +57,10 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         err_console.print(f"analytic pre-pass: drafting {facts['draft_ms_per_round']:.1f} ms/round, "
                           f"{facts['load_ms_per_expert']:.3f} ms per expert read -> cutoff at most {bound} of {n}",
                           highlight=False)
-        for c in cutoff_grid(bound, n):
+        for c in cutoff_grid(0 if holds_all else bound, n):
             run(Setting(c, "spmoe" if c else "none", 3, "lru"))
         best = choose(measured).setting
-        for c in refine(best.cutoff, {m.setting.cutoff for m in measured}, bound):
+        for c in refine(best.cutoff, {m.setting.cutoff for m in measured}, 0 if holds_all else bound):
             run(Setting(c, "spmoe", 3, "lru"))
         best = choose(measured).setting
         for kk in (2, 4):
@@ -74,6 +82,9 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         for s, ms in passes.items():
             measured = [m for m in measured if m.setting != s] + [median_measurement(ms)]
     choice = choose(measured)
+    if holds_all:
+        choice = type(choice)(choice.setting, choice.measurement,
+                              choice.reason + "; prefetch does not apply: the budget holds every expert")
     key = tuning_key(runner.model_id["digest"], config_digest(runner.draft_config), budget)
     path = save_tuning(model, key, choice, measured)
     console.print(table(sorted(measured, key=lambda m: m.setting.simplicity()), "tuning measurements"))
@@ -82,4 +93,5 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
     err_console.print(f"wrote {path}")
     if json_path:
         write_json(json_path, {"chosen": asdict(choice.setting), "reason": choice.reason, "bound": bound,
+                               "prefetch_applies": not holds_all,
                                "facts": facts, "measured": [asdict(m) for m in measured]})

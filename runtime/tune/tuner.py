@@ -4,9 +4,12 @@
   anything is measured: prefetching F experts for each of the first L layers must
   fit in the slots a layer can spare beside a verify window, and must finish within
   the drafting time at the measured per-expert load time over `threads` readers.
-- choose(): the fastest measured setting, except that among settings within the
-  noise of the best it prefers the simplest (prefetch off, then the smallest
-  cutoff, then the fewest draft tokens) — so a flat curve picks "off".
+- choose(): the fastest measured setting only if it is faster outside the noise:
+  each measurement carries a band (the min-max of its repeated passes, at least
+  +-rel_noise around its median); a setting whose band reaches the best one's
+  median, or whose median lies in the best one's band, counts as a tie, and among ties the simplest wins (prefetch off, then the
+  smallest cutoff, then the fewest draft tokens) — so a flat or noisy curve picks
+  "off", and the reason says it was a tie.
 - Tuning files: tuning.json next to the model/store holds entries keyed by model
   digest, drafter digest, budget and machine; lookups ignore foreign or stale
   entries and say why.
@@ -46,6 +49,14 @@ class Measurement:
     prefetch_wasted_mb: float  # MB prefetched and never used (evicted or cancelled)
     recall: float  # forecast recall over the prefetched layers
     acceptance: float  # draft acceptance rate
+    tokens_per_s_min: float | None = None  # lowest pass (median over prompts) when measured more than once
+    tokens_per_s_max: float | None = None  # highest pass
+    n_passes: int = 1
+
+    def band(self, rel_noise: float) -> tuple[float, float]:
+        """Where this setting's tok/s may lie: its passes' min-max, at least +-rel_noise of its median."""
+        lo, hi = self.tokens_per_s * (1 - rel_noise), self.tokens_per_s * (1 + rel_noise)
+        return min(lo, self.tokens_per_s_min or lo), max(hi, self.tokens_per_s_max or hi)
 
 
 @dataclass(frozen=True)
@@ -62,20 +73,28 @@ def median_measurement(ms: list[Measurement]) -> Measurement:
     if not ms or len({m.setting for m in ms}) != 1:
         raise ValueError("median_measurement needs passes of exactly one setting")
     fields = ("tokens_per_s", "misses_per_token", "prefetch_used_mb", "prefetch_wasted_mb", "recall", "acceptance")
-    return Measurement(ms[0].setting, *(statistics.median(getattr(m, f) for m in ms) for f in fields))
+    tps = [m.tokens_per_s for m in ms]
+    return Measurement(ms[0].setting, *(statistics.median(getattr(m, f) for m in ms) for f in fields),
+                       tokens_per_s_min=min(tps), tokens_per_s_max=max(tps), n_passes=len(ms))
 
 
 def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
     if not measurements:
         raise ValueError("the tuner needs at least one measurement")
     best = max(measurements, key=lambda m: m.tokens_per_s)
-    close = [m for m in measurements if m.tokens_per_s >= best.tokens_per_s * (1 - rel_noise)]
+    best_lo = best.band(rel_noise)[0]
+    # A tie within the noise: the other setting's band reaches the best's median, or the best's band its median.
+    close = [m for m in measurements if m.band(rel_noise)[1] >= best.tokens_per_s or best_lo <= m.tokens_per_s]
     pick = min(close, key=lambda m: m.setting.simplicity())
-    if pick is best:
-        reason = f"fastest measured ({best.tokens_per_s:.2f} tok/s)"
+    fmt = lambda m: (f"{m.tokens_per_s:.2f} tok/s [{m.band(rel_noise)[0]:.2f}-{m.band(rel_noise)[1]:.2f}] "  # noqa: E731
+                     f"over {m.n_passes} pass(es)")
+    if pick is best and len(close) == 1:
+        reason = f"fastest measured, outside the noise of every other setting ({fmt(best)})"
+    elif pick is best:
+        reason = f"fastest measured and the simplest of {len(close)} settings within its noise ({fmt(best)})"
     else:
-        reason = (f"within {rel_noise:.0%} of the fastest ({best.tokens_per_s:.2f} tok/s, {best.setting}) "
-                  f"and simpler ({pick.tokens_per_s:.2f} tok/s)")
+        reason = (f"no winner outside the noise: the fastest ({best.setting}, {fmt(best)}) overlaps this simpler "
+                  f"setting ({fmt(pick)}); keeping the simpler one")
     if pick.setting.cutoff == 0:
         reason += "; prefetch does not pay here"
     return Choice(pick.setting, pick, reason)
