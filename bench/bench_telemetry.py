@@ -44,13 +44,20 @@ def main() -> None:
         for om in models.values():
             om.close()
     base = statistics.median(samples["off"])
-    print(f"decode tok/s at budget {args.budget}, median of {args.trials} interleaved trials")
-    print(f"{'telemetry':<16}{'tok/s':>9}{'vs off':>9}")
+    print(f"decode tok/s at budget {args.budget}, median of {args.trials} interleaved trials; vs off: median [min-max] "
+          "of per-trial ratios (each trial runs every variant back to back)")
+    print(f"{'telemetry':<16}{'tok/s':>9}{'min-max':>15}{'vs off [min-max]':>24}  verdict")
     results = {}
     for name in VARIANTS:
         tps = statistics.median(samples[name])
-        results[name] = {"tokens_per_s": tps, "ratio_vs_off": tps / base}
-        print(f"{name:<16}{tps:>9.1f}{tps / base:>9.3f}")
+        ratios = [a / b for a, b in zip(samples[name], samples["off"])]
+        verdict = ("-" if name == "off" else "within the noise" if min(ratios) <= 1 <= max(ratios)
+                   else "slower" if max(ratios) < 1 else "faster")
+        results[name] = {"tokens_per_s": tps, "tokens_per_s_min": min(samples[name]),
+                         "tokens_per_s_max": max(samples[name]), "ratio_vs_off": statistics.median(ratios),
+                         "ratio_min": min(ratios), "ratio_max": max(ratios), "verdict": verdict}
+        print(f"{name:<16}{tps:>9.1f}{f'{min(samples[name]):.1f}-{max(samples[name]):.1f}':>15}"
+              f"{f'{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]':>24}  {verdict}")
     print(json.dumps({"bench": "telemetry", "budget": args.budget, "trials": args.trials, "results": results}))
 
 
