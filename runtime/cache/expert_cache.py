@@ -20,12 +20,11 @@ Invariants:
   A read that could not be queued (submit raised) leaves its slot free.
 - Safety checks raise (never `assert`): a non-resident expert never becomes
   slot -1 in a gather index, under `python -O` too.
-- Resizing (the memory governor): only slots [0, usable) are ever filled;
-  request_usable_slots() takes effect at the layer's next usable_slots() call,
-  which CachedSwitchGLU makes once per call after releasing the layer's slots, so
-  a call never sees its capacity shrink under it. Experts left in slots beyond
-  `usable` are evicted as soon as they are unpinned and settled, and the pages of
-  free slots beyond it are handed back to the OS where that is possible.
+- Resizing (memory governor): only slots [0, usable) are filled; a requested size
+  applies at the layer's next usable_slots() (once per call, after the layer's
+  slots are released), so a call never sees its capacity shrink under it. Experts
+  beyond `usable` are evicted once unpinned and settled; the pages of free slots
+  beyond it go back to the OS where possible (Linux; see runtime/cache/slab.py).
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ class ExpertCache:
         self._protected: dict[ExpertKey, int] = {}  # forecast experts pinned until their layer is verified
         self._tickets: dict[ExpertKey, LoadTicket] = {}  # the read filling each loading slot
         self._prefetch_tickets: dict[ExpertKey, LoadTicket] = {}  # those of them that prefetch() queued
+        self._rereads: dict[ExpertKey, tuple[LoadTicket, LoadTicket]] = {}  # failed prefetch -> its demand re-read
         self._pending_usable: dict[int, int] = {}  # resizes asked for, applied at the layer's next call
         self._released = {l: np.zeros(n, bool) for l, n in slots.items()}  # slot pages given back to the OS
         self.slabs: dict[int, dict[str, mx.array]] = {}
@@ -179,7 +179,7 @@ class ExpertCache:
                 del self._prefetch_tickets[ticket.key]
             if ticket.error is None and not ticket.cancelled:
                 self.table.commit(ticket.key)
-            elif was_prefetch and self._reread_for_demand(ticket.key):
+            elif was_prefetch and self._reread_for_demand(ticket.key, ticket):
                 pass  # a demand call pins the slot: it stays loading, read again for that call
             else:
                 self.table.abort(ticket.key, cancelled=ticket.cancelled)
@@ -188,7 +188,7 @@ class ExpertCache:
                     self.table.unpin(ticket.key.layer, [slot])
             self._settle_beyond(ticket.key.layer)
 
-    def _reread_for_demand(self, key: ExpertKey) -> bool:
+    def _reread_for_demand(self, key: ExpertKey, failed: LoadTicket) -> bool:
         """After a failed/cancelled prefetch of `key` (lock held): if a demand call pins its
         slot (beyond the prefetch's protection), queue a demand read into it; True if so."""
         ls = self.table.layers[key.layer]
@@ -197,24 +197,24 @@ class ExpertCache:
         if slot < 0 or ls.state[slot] != LOADING or ls.pins[slot] <= own:
             return False
         try:
-            self._submit(key, slot, priority=DEMAND)
+            self._rereads[key] = (failed, self._submit(key, slot, priority=DEMAND))
         except Exception:
             return False  # the loader is closed: free the slot; the waiting call reports the failure
         return True
 
     def _wait_reads(self, tickets: list[LoadTicket]) -> None:
         """Wait for `tickets`, following a failed prefetch to its demand re-read; raises."""
-        while True:
+        while True:  # each pass follows at most one re-read per key: a re-read is a demand ticket
             try:
                 self.loader.wait_all(tickets)
                 return
             except Exception:
                 with self._lock:
-                    following = [self._tickets.get(t.key) if (t.error is not None or t.cancelled) else None
-                                 for t in tickets]
-                if not any(n is not None and n is not t for n, t in zip(following, tickets)):
+                    rereads = [self._rereads.get(t.key, (None, None)) for t in tickets]
+                following = [new if old is t else t for t, (old, new) in zip(tickets, rereads)]
+                if all(n is t for n, t in zip(following, tickets)):
                     raise
-                tickets = [n if n is not None else t for n, t in zip(following, tickets)]
+                tickets = following
 
     def _await_room(self, layer: int, experts) -> None:
         """Wait until `layer` can take the absent `experts`: unprotected prefetches still in
@@ -299,9 +299,7 @@ class ExpertCache:
                 for e in present:
                     slot = int(ls.expert_to_slot[e])
                     if ls.state[slot] == LOADING:
-                        # An in-flight prefetch: wait for its own ticket, now at demand priority.
-                        # (Submitting again could start a second read of a slot the first one is
-                        # about to commit.)
+                        # An in-flight prefetch: wait for its own ticket at demand priority (never a 2nd read).
                         key = ExpertKey(layer, e)
                         ticket = self._tickets.get(key) or self._submit(key, slot, priority=DEMAND)
                         self.loader.promote(ticket)
@@ -313,11 +311,11 @@ class ExpertCache:
             stall_ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0
             with self._lock:
                 slots = ls.expert_to_slot[np.asarray(experts, np.int64)].copy()
-                if (slots < 0).any() or (ls.state[slots] != VALID).any():
-                    raise RuntimeError(f"layer {layer}: ensure() ended with experts "
-                                       f"{np.asarray(experts)[(slots < 0) | (ls.state[slots] != VALID)].tolist()} not valid")
-            stats = CallStats(len(present), len(absent), prefetch_used, len(absent) * self.layouts[layer].expert_bytes, stall_ms)
-            return slots, stats
+                bad = (slots < 0) | (ls.state[slots] != VALID)
+                if bad.any():
+                    raise RuntimeError(f"layer {layer}: ensure() ended with experts {np.asarray(experts)[bad].tolist()} not valid")
+            return slots, CallStats(len(present), len(absent), prefetch_used, len(absent) * self.layouts[layer].expert_bytes,
+                                    stall_ms)
         except BaseException:
             with self._lock:
                 for e in absent if pinned else ():
@@ -345,8 +343,7 @@ class ExpertCache:
         return (time.perf_counter() - t0) * 1e3 if tickets else 0.0
 
     def empty(self) -> None:
-        """Wait for reads in flight, then evict every expert: the cache starts cold again, as
-        if freshly allocated (stats are kept). Nothing may be pinned (raises otherwise)."""
+        """Settle reads in flight, evict every expert (as freshly allocated; stats kept); raises if pinned."""
         self.settle_inflight()
         with self._lock:
             for layer in self.table.layers:
