@@ -47,7 +47,8 @@ def test_speculative_rounds_and_trace(family, tiny_dirs):
         drafter, _ = load(str(tiny_dirs["qwen3_moe"]))  # unrelated to qwen3_next: exercises rejections
         om.telemetry.new_sequence()
         tokens, stats, _ = run_speculative(om, None, ids, max_tokens=12, num_draft=3, predictor="previous",
-                                           cutoff=None, draft_model=drafter, draft_config=om.config)
+                                           cutoff=None, draft_model=drafter, draft_config=om.config,
+                                           adaptive_k=False)  # every window K+1 = 4 tokens
         tel = om.telemetry
         verify = [r for r in tel.rounds if r.kind == "verify"]
         assert len(verify) == stats.n_rounds
