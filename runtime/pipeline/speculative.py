@@ -94,8 +94,7 @@ class PipelineSpeculative:
         if self.cfg.temp == 0:
             return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
         p = np.array(probabilities(logits, self.cfg.temp, self.cfg.top_p), np.float64)
-        v = min(p.shape[-1], draft.q.shape[-1])
-        return accept_sampled(draft.tokens, draft.q[:, :v], p[:, :v], self.rng)
+        return accept_sampled(draft.tokens, draft.q, p, self.rng)  # pads the shorter vocabulary: no target mass lost
 
     def step(self, pending: int) -> list[int]:
         self._round += 1
