@@ -13,18 +13,14 @@ Invariants:
 - ensure() returns only after every requested expert is valid, or raises (and
   then leaves nothing pinned and no failed slot valid).
 - All bookkeeping is serialised by one lock; loads complete on I/O threads.
-- Each loading slot is filled by one ticket at a time (the one in _tickets); a
-  caller needing it waits on that ticket, never a second concurrent read.
-- A failed or cancelled prefetch frees its slot only if no demand call pins it;
-  else the slot stays loading and is re-read at demand priority for that call.
-  A read that could not be queued (submit raised) leaves its slot free.
-- Safety checks raise (never `assert`): a non-resident expert never becomes
-  slot -1 in a gather index, under `python -O` too.
-- Resizing (memory governor): only slots [0, usable) are filled; a requested size
-  applies at the layer's next usable_slots() (once per call, after the layer's
-  slots are released), so a call never sees its capacity shrink under it. Experts
-  beyond `usable` are evicted once unpinned and settled; the pages of free slots
-  beyond it go back to the OS where possible (Linux; see runtime/cache/slab.py).
+- One ticket at a time fills a loading slot (the one in _tickets); callers wait on it.
+- A failed/cancelled prefetch frees its slot only if no demand call pins it, else
+  the slot is re-read at demand priority for that call; a failed submit frees it.
+- Safety checks raise (never `assert`): no slot -1 in a gather index under -O.
+- Resizing (memory governor): only slots [0, usable) are filled; a new size applies
+  at the layer's next usable_slots() (once per call), so a call never sees its
+  capacity shrink under it. Experts beyond `usable` are evicted once unpinned;
+  their free slots' pages go back to the OS where possible (runtime/cache/slab.py).
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.cache.cache_stats import CallStats, ResizeStats
-from runtime.cache.slab import allocate_slab, pages_returnable, release_pages
+from runtime.cache.slab import allocate_slab, release_pages
 from runtime.cache.slot_table import FREE, LOADING, VALID, SlotTable
 from storage import AsyncLoader, ExpertKey, LayerLayout
 from storage.loader import DEMAND, PREFETCH, LoadTicket
@@ -99,11 +95,6 @@ class ExpertCache:
 
     def stats(self):
         return {l: ls.stats for l, ls in self.table.layers.items()}
-
-    @property
-    def returns_memory(self) -> bool:
-        """Whether a shrink hands slab pages back to the OS here (Linux); elsewhere it only evicts."""
-        return pages_returnable()
 
     # -- resizing (memory governor) ------------------------------------------------------
     def request_usable_slots(self, n: int | dict[int, int]) -> None:

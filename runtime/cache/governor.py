@@ -42,6 +42,8 @@ from typing import Callable
 
 import psutil
 
+from runtime.cache.slab import pages_returnable
+
 log = logging.getLogger(__name__)
 
 _GiB = 1 << 30
@@ -172,7 +174,7 @@ class MemoryGovernor:
         return {"governor_shrinks": self.stats.n_shrinks, "governor_grows": self.stats.n_grows,
                 "usable_slots": self.cache.total_usable_slots(),
                 "resize_evicted": r.n_evicted, "bytes_released": r.bytes_released,
-                "returns_memory": int(self.cache.returns_memory)}
+                "returns_memory": int(pages_returnable())}
 
     # -- the thread --------------------------------------------------------------------
     def start(self) -> "MemoryGovernor":
