@@ -56,3 +56,16 @@ def test_auto_uses_min_of_ram_and_working_set_minus_resident_kv_headroom():
     assert plan.slots[0] == b["left_for_experts"] // 10**7
     small = _plan("auto", total_memory_bytes=8 * 10**9, working_set_bytes=None, expert_bytes={0: 10**7}, n_experts={0: 10**4})
     assert small.breakdown["usable"] == 8 * 10**9
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "gpt-oss-20b", "glm-4.5-air", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_kv_estimate_for_auto_budgets_agrees_with_the_planner(name):
+    """--budget auto's KV estimate and the planner's KV model are written independently; they agree
+    per family (DeepSeek MLA caches decompressed keys and values, gpt-oss caps sliding layers)."""
+    from runtime.cache import kv_bytes_estimate
+    from runtime.plan.model_costs import model_costs
+    from runtime.plan.model_presets import preset
+
+    config = preset(name)["config"]
+    for context in (100, 4096):
+        assert kv_bytes_estimate(config, context) == model_costs(config).kv_bytes(context)

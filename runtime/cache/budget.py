@@ -71,15 +71,24 @@ def metal_working_set_bytes() -> int | None:
 
 
 def kv_bytes_estimate(config: dict, context_tokens: int, bytes_per_value: int = 2) -> int:
-    """KV-cache bytes for `context_tokens` (attention layers only for hybrids)."""
+    """KV-cache bytes for `context_tokens` (attention layers only for hybrids; sliding-window layers
+    capped at their window; DeepSeek MLA as mlx-lm caches it: decompressed keys and values per head)."""
     cfg = config.get("text_config", config)
     layers = int(cfg.get("num_hidden_layers", 0))
+    if cfg.get("kv_lora_rank"):
+        per_head = int(cfg.get("qk_nope_head_dim", 0)) + int(cfg.get("qk_rope_head_dim", 0)) + int(cfg.get("v_head_dim", 0))
+        return layers * int(cfg.get("num_attention_heads", 0)) * per_head * context_tokens * bytes_per_value
     interval = cfg.get("full_attention_interval")
     if interval:
         layers = layers // int(interval)
     heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 0))
     head_dim = int(cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(1, int(cfg.get("num_attention_heads", 1))))
-    return 2 * layers * heads * head_dim * context_tokens * bytes_per_value
+    per_layer = 2 * heads * head_dim * bytes_per_value
+    window = cfg.get("sliding_window")
+    if window and isinstance(cfg.get("layer_types"), list):  # gpt-oss: alternating sliding / full attention
+        sliding = sum(t == "sliding_attention" for t in cfg["layer_types"])
+        return per_layer * ((layers - sliding) * context_tokens + sliding * min(context_tokens, int(window)))
+    return layers * per_layer * context_tokens
 
 
 @dataclass(frozen=True)
