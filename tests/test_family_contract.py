@@ -170,3 +170,24 @@ def test_unsupported_model_type_lists_families_and_the_contract(tiny_qwen):
     code, out, err = run_cli(["generate", "--model", str(tiny_qwen), "--prompt", "hi", "-n", "2"])
     _check_one_line_error(code, out, err, "unsupported model_type 'llama4'", "SwitchGLU-like",
                           *sorted(SUPPORTED_MODEL_TYPES))
+
+
+def test_the_contract_catches_a_slab_module_without_the_family_activation_or_biases(tiny_dirs, references):
+    """What the parity test guards: gpt-oss over slabs with mlx-lm's plain SwiGLU instead of its clamped
+    one, or without the per-expert biases, decodes different tokens."""
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    ids, expected = references["gpt_oss"]
+    for broken in ("activation", "bias"):
+        om = OffloadedModel.load(tiny_dirs["gpt_oss"], OffloadConfig(budget="50%"))
+        try:
+            assert greedy_ids(om.model, ids) == expected
+            for m in om.modules.values():
+                if broken == "activation":
+                    m.switch.activation = SwiGLU()
+                else:
+                    for proj in ("gate_proj", "up_proj", "down_proj"):
+                        del m.switch[proj]["bias"]
+            assert greedy_ids(om.model, ids) != expected, broken
+        finally:
+            om.close()
