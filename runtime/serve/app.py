@@ -78,6 +78,7 @@ def build_app(state: ServerState) -> Starlette:
             body = parse_json(await request.body())
             req = parse_completion(body, kind, state.defaults)
             state.check_model(req.model)
+            state.backend.check(req)
             ids = state.backend.encode(req)
             if len(ids) > state.max_prompt_tokens:
                 raise RequestError(f"the prompt is {len(ids)} tokens; this server takes at most "
