@@ -39,6 +39,8 @@ def test_chat_repl_multi_turn_stats_reset():
     chunks = out.split(">> ")
     assert chunks[1] == first + "\n" and chunks[2] == second + "\n"  # streamed replies, one per turn
     assert chunks[3].startswith("turns 2 | expert cache hit rate") and "last reply: " in chunks[3]
+    reused = int(chunks[3].split("prompt tokens reused ")[1].split(" ")[0])
+    assert reused > 15  # the second turn re-used the first turn's KV (its 15-token prompt and more)
     assert chunks[4] == "[conversation reset]\n"
     assert chunks[5] == first + "\n"  # a fresh conversation answers as the first did
     assert chunks[6].startswith("unknown command /nonsense")

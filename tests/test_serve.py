@@ -126,6 +126,21 @@ def test_seeded_sampling_is_reproducible(client):
     assert len({ask(s) for s in (1, 2, 3)}) > 1  # sampling does happen
 
 
+def test_a_conversation_reuses_its_prompt_cache_and_answers_as_a_fresh_run(client, target, reference):
+    from runtime import load, stream_generate
+
+    history = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": reference[PROMPTS[0]]},
+               {"role": "user", "content": PROMPTS[1]}]
+    with load(target) as engine:  # the answer from scratch, no prompt cache
+        ids = list(engine.tokenizer.apply_chat_template(history, add_generation_prompt=True))
+        fresh = "".join(r.text for r in stream_generate(engine, ids, N, temp=0.0))
+    client.chat.completions.create(model="default_model", messages=history[:1], max_tokens=N, temperature=0)
+    r = client.chat.completions.create(model="default_model", messages=history, max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == fresh
+    assert r.usage.prompt_tokens_details.cached_tokens > 10  # the first turn's prompt came from the cache
+    assert r.usage.prompt_tokens == len(ids)
+
+
 def test_concurrent_requests_are_all_answered_correctly(client, reference):
     jobs = [PROMPTS[i % 2] for i in range(6)]
     answers: dict[int, str] = {}
