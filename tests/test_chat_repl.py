@@ -45,3 +45,20 @@ def test_chat_repl_multi_turn_stats_reset():
     assert chunks[5] == first + "\n"  # a fresh conversation answers as the first did
     assert chunks[6].startswith("unknown command /nonsense")
     assert chunks[-1] == "\n"  # end of input: a clean exit
+
+
+def test_ctrl_c_stops_a_reply_not_the_session():
+    import io
+
+    from runtime.cli.chat import run_repl
+
+    class Session:
+        turns = 0
+
+        def say(self, text):
+            yield "partial"
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    run_repl(Session(), iter(["hello\n", "again\n"]), out)
+    assert out.getvalue().count("partial [interrupted]\n") == 2 and out.getvalue().endswith(">> \n")

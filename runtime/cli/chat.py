@@ -1,7 +1,8 @@
 """`specmoe chat`: a multi-turn streaming REPL, as mlx_lm.chat, on an offloaded model.
 
 Lines typed are user turns; `/reset` starts a new conversation, `/stats` shows the expert cache
-and the last reply's numbers, `/help` lists the commands, `/quit` (or end of input) leaves.
+and the last reply's numbers, `/help` lists the commands, `/quit` (or end of input) leaves;
+Ctrl-C during a reply stops that reply only.
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ def run_repl(session, lines, out=sys.stdout, prompt: str = ">> ") -> None:
         if command.startswith("/"):
             out.write(f"unknown command {command}; {HELP}\n")
             continue
-        for segment in session.say(text):
-            out.write(segment)
-            out.flush()
+        try:
+            for segment in session.say(text):
+                out.write(segment)
+                out.flush()
+        except KeyboardInterrupt:  # Ctrl-C stops the reply, not the session (the shown part stays in the history)
+            out.write(" [interrupted]")
         out.write("\n")
 
 
