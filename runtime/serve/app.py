@@ -79,7 +79,11 @@ def build_app(state: ServerState) -> Starlette:
             req = parse_completion(body, kind, state.defaults)
             state.check_model(req.model)
             state.backend.check(req)
-            ids = state.backend.encode(req)
+            try:
+                ids = state.backend.encode(req)
+            except Exception as e:  # e.g. a chat template that rejects this sequence of roles
+                raise RequestError(f"could not apply the model's chat template to these messages: {e}",
+                                   param="messages" if kind == "chat" else "prompt") from None
             if len(ids) > state.max_prompt_tokens:
                 raise RequestError(f"the prompt is {len(ids)} tokens; this server takes at most "
                                    f"{state.max_prompt_tokens} (--max-prompt-tokens)",
