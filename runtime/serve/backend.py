@@ -176,15 +176,13 @@ class Backend:
 
 
 def _prompt_pool(engine, size: int):
-    """A PromptCachePool for plain decoding, when runtime.api takes a prompt cache; else None."""
-    import inspect
+    """A PromptCachePool for plain decoding; None with a drafter (runtime.api takes no prompt cache there)."""
+    from runtime.decode import PromptCache
 
-    from runtime import api, decode
-
-    if engine.draft is not None or "prompt_cache" not in inspect.signature(api.stream_generate).parameters:
+    if engine.draft is not None:
         return None
     om = engine.model
-    return PromptCachePool(lambda: decode.PromptCache(om.model), size)
+    return PromptCachePool(lambda: PromptCache(om.model), size)
 
 
 def _memory(om) -> dict:
