@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from runtime.cli.options import DEFAULT_NUM_DRAFT
 from runtime.observe import console, write_json
 
 
@@ -19,7 +20,8 @@ def register(app: typer.Typer) -> None:
         budget: str = typer.Option("auto", "--budget", "-b", help="Expert cache per rank: auto, a size, or a share of its experts."),
         context: int = typer.Option(4096, "--context", help="Context tokens for the KV cache."),
         bits: int = typer.Option(4, "--bits", help="Weight quantization bits."),
-        draft_len: int = typer.Option(3, "--draft-len", help="K for the speculative column (0: no speculation)."),
+        draft_len: int = typer.Option(DEFAULT_NUM_DRAFT, "--num-draft", "-k",
+                                      help="K for the speculative column (0: no speculation)."),
         acceptance: float = typer.Option(0.75, "--acceptance", help="Per-token acceptance rate assumed for speculation."),
         json_path: Path = typer.Option(None, "--json", help="Write every projection as JSON."),
     ):
