@@ -274,7 +274,7 @@ class SpecAssumptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_len, int) or not 1 <= self.draft_len <= 32:
-            raise ValueError(f"--draft-len must be an int in [1, 32], got {self.draft_len!r}")
+            raise ValueError(f"--num-draft must be an int in [1, 32], got {self.draft_len!r}")
         if not 0 <= self.acceptance_rate <= 1:
             raise ValueError(f"--acceptance must be in [0, 1], got {self.acceptance_rate!r}")
         if self.drafter_bytes < 0:
