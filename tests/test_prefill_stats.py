@@ -70,3 +70,14 @@ def test_api_stream_carries_the_prefill_bytes_and_stats(tiny_dirs):
     pre = last.detail.prefill
     assert last.stats.prompt_bytes_read == pre.bytes_read > 0
     assert pre.n_tokens == last.stats.prompt_tokens and 0 < pre.reads_per_unique_expert <= 1.0
+
+
+def test_progress_bar_on_a_terminal_ends_with_the_summary_line():
+    clock, out = _Clock(), io.StringIO()
+    p = PrefillProgress(100, stream=out, tty=True, clock=clock)
+    clock.t = 2.0
+    p.update(0.5)
+    assert p.shown
+    clock.t = 4.0
+    p.close()
+    assert out.getvalue().endswith("prefill: 100 tokens in 4.0 s (25 tok/s)\n")
