@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--generate", type=int, default=16)
     ap.add_argument("--cap", type=int, default=None, help="memory cap in bytes (default: --cap-share of stock's peak RSS)")
     ap.add_argument("--cap-share", type=float, default=0.85)
+    ap.add_argument("--no-unlimited", action="store_true", help="with --cap: skip the unlimited stock run")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -114,7 +115,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_tiny(Path(tmp) / "m", "qwen3_moe", seed=0, layers=4, n_experts=64, top_k=4,
                                         hidden=128, expert_hidden=128)
-        free = _run("stock", model, args.tokens, args.generate, 2048)
+        free = None if args.cap and args.no_unlimited else _run("stock", model, args.tokens, args.generate, 2048)
         cap = args.cap or int(args.cap_share * free["peak_rss"])
         ours = _run("specmoe", model, args.tokens, args.generate, cap)
         ref = _run("stock", model, args.tokens, args.generate, ours["step"])
@@ -126,6 +127,7 @@ def main() -> None:
           f"cap {cap / gb:.0f} MB ({'--cap' if args.cap else f'{args.cap_share:.0%} of unlimited stock peak RSS'}); one run each")
     print(f"{'variant':<30}{'chunk':>7}{'peak RSS MB':>13}{'MLX peak MB':>13}{'within cap':>12}{'seconds':>9}")
     rows = [("stock, unlimited", free), ("specmoe under the cap", ours), ("stock, specmoe's chunk", ref)]
+    rows = [(name, r) for name, r in rows if r is not None]
     for name, r in rows:
         within = r["peak_rss"] <= cap and r["mlx_peak"] <= cap
         print(f"{name:<30}{r['step']:>7}{r['peak_rss'] / gb:>13.1f}{r['mlx_peak'] / gb:>13.1f}{'yes' if within else 'no':>12}"

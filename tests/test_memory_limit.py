@@ -33,6 +33,12 @@ def test_prefill_chunk_shrinks_only_when_its_activations_do_not_fit():
     assert tight.expert_room(cfg, 10**8, 4096, 2048) > tight.expert_room(cfg, 2 * 10**8, 4096, 2048)
 
 
+def test_baseline_is_remeasured_after_loading():
+    m = MemoryLimit(10**9, 100, 50)
+    assert m.remeasured(rss_bytes=1000, weights_bytes=700).baseline_bytes == 300  # the load added 200
+    assert m.remeasured(rss_bytes=700, weights_bytes=650).baseline_bytes == 100  # never below the first reading
+
+
 def test_limit_shrinks_the_planned_cache_and_a_too_small_limit_is_refused(tiny_dirs):
     path = tiny_dirs["qwen3_moe"]
     full = OffloadedModel.load(path, OffloadConfig(budget="100%"))

@@ -1,7 +1,8 @@
 """MemoryLimit: one cap on the process's memory, and what it leaves for the expert cache.
 
 The cap (`--memory-limit`) covers everything the process holds:
-    baseline      the interpreter and libraries, measured (RSS) before the model loads
+    baseline      the interpreter and libraries, measured (RSS) before the model loads, and again
+                  after it (the process beside weights and cache slabs: tokenizer, allocator pools)
     resident      the non-expert weights
     drafter       the drafter's weights (speculative decoding)
     kv            the KV cache and recurrent state, which grow with the context
@@ -66,6 +67,14 @@ class MemoryLimit:
     baseline_bytes: int  # the process before the model (interpreter, libraries)
     resident_bytes: int  # non-expert weights
     drafter_bytes: int = 0  # drafter weights
+
+    def remeasured(self, rss_bytes: int, weights_bytes: int) -> "MemoryLimit":
+        """After loading: the process beside the weights and the cache slabs (`rss_bytes - weights_bytes`:
+        the tokenizer, allocator pools, threads) becomes the baseline if it is larger than the one measured
+        before, so the governor's room is what the process really has."""
+        from dataclasses import replace
+
+        return replace(self, baseline_bytes=max(self.baseline_bytes, rss_bytes - weights_bytes))
 
     @property
     def slack_bytes(self) -> int:

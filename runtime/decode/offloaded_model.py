@@ -134,6 +134,7 @@ class OffloadedModel:
         om = cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry, governor)
         om.prefill_step = step
         if limit is not None:
+            limit = limit.remeasured(process_rss(), store.resident_bytes + cache.nbytes)
             om.memory_limit = limit
             om.context_governor = ContextGovernor(cache, limit, store.config, step, governor, kv_per_token)
         return om
