@@ -61,7 +61,9 @@ def wants_expert_major(cache, layer: int, flat: np.ndarray, min_tokens: int = PR
 
 def plan_batches(flat: np.ndarray, absent: np.ndarray, batch_cap: int) -> list[ExpertBatch]:
     """Batches of at most `batch_cap` experts, resident experts first, each holding its experts'
-    runs of the stable sort of the flattened pairs by expert id."""
+    runs of the stable sort of the flattened pairs by expert id. Within each group the least used
+    come first, so the call ends with its most used experts loaded last: they stay resident for the
+    next calls (the prompt's last token, the first decode steps), which most often route to them."""
     if batch_cap < 1:
         raise ValueError(f"batch_cap {batch_cap}; expected >= 1")
     pairs = flat.reshape(-1)
@@ -69,7 +71,8 @@ def plan_batches(flat: np.ndarray, absent: np.ndarray, batch_cap: int) -> list[E
     sorted_ids = pairs[order]
     unique, starts, counts = np.unique(sorted_ids, return_index=True, return_counts=True)
     is_absent = np.isin(unique, absent)
-    sequence = np.concatenate([np.flatnonzero(~is_absent), np.flatnonzero(is_absent)])
+    by_use = np.argsort(counts, kind="stable")  # least used first
+    sequence = np.concatenate([by_use[~is_absent[by_use]], by_use[is_absent[by_use]]])
     batches = []
     for i in range(0, len(sequence), batch_cap):
         sel = np.sort(sequence[i : i + batch_cap])
