@@ -26,7 +26,7 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from runtime.cache import GovernorConfig
+from runtime.cache import DEFAULT_POLICY, GovernorConfig
 from runtime.decode import OffloadConfig, OffloadedModel, load_drafter, release_drafter, speculative_decoder, stream_tokens
 
 
@@ -49,7 +49,7 @@ class Engine:
     model: OffloadedModel  # the target, experts paged through its cache
     draft: DraftSettings | None = None  # speculative decoding when set
     notes: list[str] = field(default_factory=list)  # where settings came from (tuning.json, defaults)
-    policy: str = "lru"  # the expert cache's eviction policy
+    policy: str = DEFAULT_POLICY  # the expert cache's eviction policy
     _draft_model: object = None
     _draft_config: dict | None = None
 
@@ -118,13 +118,13 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
         settings = DraftSettings(Path(draft), num_draft, predictor, cutoff,
                                  Path(projection) if projection else None, forecast_k, max_prefetch_bytes,
                                  adaptive_k)
-    om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or "lru", threads=threads,
+    om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or DEFAULT_POLICY, threads=threads,
                                                   io_mode=io_mode, verify_checksums=verify,
                                                   governor=GovernorConfig() if memory_governor else None,
                                                   telemetry=telemetry, inject=inject, memory_limit=memory_limit,
                                                   context_tokens=context_tokens,
                                                   drafter_bytes=_weights_bytes(draft) if draft is not None else 0))
-    engine = Engine(om, settings, notes, policy or "lru")
+    engine = Engine(om, settings, notes, policy or DEFAULT_POLICY)
     if settings is not None:
         try:
             engine._draft_model, engine._draft_config = load_drafter(settings.path, om)

@@ -65,7 +65,7 @@ def test_replay_equals_the_live_cache(tiny_dirs):
 
     from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 
-    for policy in ("lru", "lfu"):
+    for policy in ("lru", "lfu", "dlfu"):
         om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%", policy=policy, trace=True))
         try:
             om.telemetry.new_sequence()

@@ -32,7 +32,7 @@ from runtime.cache.memory_limit import (
 )
 from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.governor import GovernorConfig, MemoryGovernor
-from runtime.cache.policy import make_policy
+from runtime.cache.policy import DEFAULT_POLICY, POLICIES, make_policy
 from runtime.cache.slab_switch import check_expert_module, slab_switch_glu
 from runtime.cache.slot_table import SlotTable
 
@@ -40,5 +40,5 @@ __all__ = [
     "HEADROOM_FRACTION", "HEADROOM_MIN_BYTES", "BudgetPlan", "BudgetSpec", "format_bytes", "kv_bytes_estimate",
     "parse_budget", "plan_budget", "CachedSwitchGLU", "ContextGovernor", "DEFAULT_PREFILL_STEP", "MemoryLimit",
     "activation_bytes", "apply_memory_limit", "parse_memory_limit", "process_rss", "CallStats", "ExpertCache",
-    "GovernorConfig", "MemoryGovernor", "make_policy", "SlotTable", "check_expert_module", "slab_switch_glu",
+    "GovernorConfig", "MemoryGovernor", "DEFAULT_POLICY", "POLICIES", "make_policy", "SlotTable", "check_expert_module", "slab_switch_glu",
 ]

@@ -3,16 +3,22 @@
 A policy only ranks slots; it never decides what is evictable (pins and
 in-flight loads are the SlotTable's business). Policies are pure Python so the
 live cache and offline replays (cache sweeps) run the very same code.
+
+The SlotTable tells a policy which expert a slot now holds and whether a prefetch
+(not a use) brought it in; policies that keep history per expert use that.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from runtime.cache.decayed_lfu import DecayedLFUPolicy
+
 
 class EvictionPolicy(Protocol):
-    def on_insert(self, slot: int) -> None:
-        """A new expert now lives in `slot`."""
+    def on_insert(self, slot: int, expert: int = -1, prefetch: bool = False) -> None:
+        """`expert` now lives in `slot` (the previous occupant, if any, is gone); `prefetch`: a
+        forecast brought it in, nobody has used it yet."""
 
     def on_access(self, slot: int) -> None:
         """The expert in `slot` was used."""
@@ -30,7 +36,7 @@ class LRUPolicy:
         self._tick = 0
         self._last = [0] * n_slots
 
-    def on_insert(self, slot: int) -> None:
+    def on_insert(self, slot: int, expert: int = -1, prefetch: bool = False) -> None:
         self.on_access(slot)
 
     def on_access(self, slot: int) -> None:
@@ -53,7 +59,7 @@ class LFUAgingPolicy:
         self._last = [0] * n_slots
         self._tick = 0
 
-    def on_insert(self, slot: int) -> None:
+    def on_insert(self, slot: int, expert: int = -1, prefetch: bool = False) -> None:
         self._count[slot] = 0.0
         self.on_access(slot)
 
@@ -68,7 +74,8 @@ class LFUAgingPolicy:
         return min(candidates, key=lambda s: (self._count[s], self._last[s]))
 
 
-POLICIES = {"lru": LRUPolicy, "lfu": LFUAgingPolicy}
+POLICIES = {"lru": LRUPolicy, "lfu": LFUAgingPolicy, "dlfu": DecayedLFUPolicy}
+DEFAULT_POLICY = "dlfu"  # chosen by replaying the embedded pair's traces (docs/readme/readless.md)
 
 
 def make_policy(name: str, n_slots: int) -> EvictionPolicy:

@@ -132,7 +132,7 @@ class SlotTable:
         ls.expert_to_slot[key.expert] = slot
         ls.state[slot] = LOADING
         ls.prefetched[slot] = prefetch
-        ls.policy.on_insert(slot)
+        ls.policy.on_insert(slot, key.expert, prefetch)
         return slot
 
     def commit(self, key: ExpertKey) -> None:

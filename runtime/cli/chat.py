@@ -91,8 +91,8 @@ def register(app: typer.Typer) -> None:
                                                                 "else spmoe)."),
         cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (default: tuned, "
                                                           "else all)."),
-        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, "
-                                                          "else lru)."),
+        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
+                                                          "(default: tuned, else dlfu)."),
         one_sync: str = typer.Option("auto", "--one-sync", help="One-host-sync decode steps: auto, on or off."),
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),

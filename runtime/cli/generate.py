@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
         one_sync: str = typer.Option("auto", "--one-sync",
                                        help="Run a decode step or verify pass with one host sync when its experts "
                                             "are resident: auto (when its measured saving beats its failures), on, off."),
-        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, else lru)."),
+        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru (default: tuned, else dlfu)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),

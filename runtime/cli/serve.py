@@ -31,8 +31,8 @@ def register(app: typer.Typer) -> None:
                                                                 "else spmoe)."),
         cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (default: tuned, "
                                                           "else all)."),
-        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: lru or lfu (default: tuned, "
-                                                          "else lru)."),
+        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
+                                                          "(default: tuned, else dlfu)."),
         max_prompt_tokens: int = typer.Option(None, "--max-prompt-tokens", min=1,
                                               help="Refuse longer prompts with HTTP 400 (default: the model's "
                                                    "context length)."),

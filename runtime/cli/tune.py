@@ -64,7 +64,7 @@ def sweep_cutoff(
     max_tokens: int = opt.max_tokens_option(32, "Tokens to generate per prompt for each setting."),
     num_draft: int = opt.num_draft_option(opt.DEFAULT_NUM_DRAFT, "Tokens the drafter proposes per round (K)."),
     predictor: str = typer.Option("spmoe", "--predictor", help="Expert forecaster: none, previous, popularity, spmoe, oracle."),
-    policy: str = typer.Option("lru", "--policy", help="Cache eviction policy: lru or lfu."),
+    policy: str = typer.Option("dlfu", "--policy", help="Cache eviction policy: dlfu (decayed LFU, the default), lfu or lru."),
     io_mode: str = typer.Option("buffered", "--io-mode", help=_IO_HELP),
     json_path: Path = opt.json_option(),
     plot: Path = typer.Option(None, "--plot", help="Write a PNG of tok/s against the cutoff (error bars: min-max of passes)."),
@@ -125,7 +125,8 @@ def sweep_cache(
     trace: Path = typer.Option(..., "--trace", help="Routing trace from `specmoe profile --trace`."),
     window: int = typer.Option(1, "--window", min=1, help="Tokens per call: 1 = plain decode, K+1 = verify windows."),
     sizes: str = typer.Option("10,20,30,40,50,60,70,80,90", "--sizes", help="Cache sizes, % of a layer's experts."),
-    policies: str = typer.Option("lru,lfu,forecast", "--policies", help="lru, lfu, forecast (LRU + simulated forecast protection)."),
+    policies: str = typer.Option("lru,lfu,dlfu,forecast", "--policies",
+                                 help="lru, lfu, dlfu (decayed LFU, the default), forecast (LRU + simulated forecast protection)."),
     forecast_recall: float = typer.Option(0.9, "--forecast-recall", min=0.0, max=1.0,
                                           help="forecast policy: share of the next window's experts it foresees."),
     json_path: Path = opt.json_option(),
@@ -145,14 +146,19 @@ def sweep_cache(
     if not all(0 < f <= 1 for f in fractions):
         raise ValueError(f"--sizes {sizes!r}: percentages must be in (0, 100]")
     names = [p.strip() for p in policies.split(",")]
-    bad = [p for p in names if p not in ("lru", "lfu", "forecast")]
+    from runtime.cache import POLICIES
+
+    known = sorted(POLICIES) + ["forecast"]
+    bad = [p for p in names if p not in known]
     if bad:
-        raise ValueError(f"--policies {bad[0]!r}; expected lru, lfu or forecast")
+        raise ValueError(f"--policies {bad[0]!r}; expected some of {', '.join(known)}")
     result = cache_sweep(trace, window=window, fractions=fractions, policies=names, forecast_recall=forecast_recall)
     t = Table(title=f"cache replay of {trace.name}: hit rate (MB read per token), window {window}")
     t.add_column("size", justify="right")
     t.add_column("slots", justify="right")
-    cols = names + ["belady", "split: equal", "split: by miss curves"]
+    ratios = all("default_vs_lru" in row for row in result["table"])
+    cols = names + ["belady"] + ([f"{result['default']} misses / lru", f"{result['default']} / belady"] if ratios else []) + [
+        "split: equal", "split: by miss curves"]
     for c in cols:
         t.add_column(c, justify="right")
     for row in result["table"]:
@@ -160,6 +166,8 @@ def sweep_cache(
         for c in names + ["belady"]:
             r = row[c]
             cells.append(f"{r['hit_rate']:.1%} ({r['mb_per_token']:.3f})")
+        if ratios:
+            cells += [f"{row['default_vs_lru']:.2f}x", f"{row['default_vs_belady']:.2f}x"]
         cells += [f"{row['split_equal']:.1%}", f"{row['split_allocated']:.1%}"]
         t.add_row(*cells)
     console.print(t)

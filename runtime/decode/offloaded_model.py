@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, load_tokenizer
 
-from runtime.cache import BudgetPlan, kv_bytes_estimate, parse_budget, plan_budget
+from runtime.cache import DEFAULT_POLICY, BudgetPlan, kv_bytes_estimate, parse_budget, plan_budget
 from runtime.cache import CachedSwitchGLU
 from runtime.cache import ExpertCache
 from runtime.decode.families import check_supported, top_k
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class OffloadConfig:
     budget: str = "50%"  # --budget: size, share of expert bytes, or auto
-    policy: str = "lru"  # eviction policy name
+    policy: str = DEFAULT_POLICY  # eviction policy name (runtime/cache/policy.py)
     threads: int = 4  # loader I/O threads
     io_mode: str = "buffered"  # "buffered" or "direct"
     verify_checksums: bool = True  # CRC-check packed records on every load (raw checkpoints have no CRCs)

@@ -1,8 +1,9 @@
 """`specmoe sweep cache`: replay a trace through policies and sizes (no model needed).
 
 Per cache size (a share of each layer's experts): every policy's hit rate and MB
-read per token, Belady's MIN as the bound, and the per-layer slot split: equal
-slots per layer vs slots allocated by per-layer LRU miss curves at the same total.
+read per token, Belady's MIN as the bound, the default policy's misses against LRU
+and Belady, and the per-layer slot split: equal slots per layer vs slots allocated
+by per-layer miss curves of the default policy at the same total.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.cache import DEFAULT_POLICY
 from runtime.tune.replay import allocate_slots, belady, replay, windows_of
 from runtime.observe import RoutingTrace
 
 
-def _curve(seqs, n: int, lo: int, window: int) -> dict[int, int]:
-    """LRU misses for every slot count from lo to n (coarse steps, linearly interpolated)."""
+def _curve(seqs, n: int, lo: int, window: int, policy: str = DEFAULT_POLICY) -> dict[int, int]:
+    """`policy`'s misses for every slot count from lo to n (coarse steps, linearly interpolated)."""
     step = max(1, (n - lo) // 24)
     pts = sorted(set(range(lo, n + 1, step)) | {n})
-    measured = {s: replay(seqs, n, s, "lru", window).misses for s in pts}
+    measured = {s: replay(seqs, n, s, policy, window).misses for s in pts}
     return {s: int(round(np.interp(s, pts, [measured[p] for p in pts]))) for s in range(lo, n + 1)}
 
 
@@ -48,6 +50,10 @@ def cache_sweep(trace_path: Path, *, window: int, fractions: list[float], polici
             hits, misses = sum(r.hits for r in results), sum(r.misses for r in results)
             row[p] = {"hit_rate": hits / max(1, hits + misses), "misses_per_token": misses / tokens,
                       "mb_per_token": misses * expert_mb / tokens}
+        if "lru" in row and DEFAULT_POLICY in row:
+            d, lru, opt = row[DEFAULT_POLICY], row["lru"], row["belady"]
+            row["default_vs_lru"] = d["misses_per_token"] / lru["misses_per_token"] if lru["misses_per_token"] else 1.0
+            row["default_vs_belady"] = d["misses_per_token"] / opt["misses_per_token"] if opt["misses_per_token"] else 1.0
         alloc = allocate_slots(curves, slots * len(layers), lo)
         equal_misses = sum(curves[i][slots] for i in curves)
         alloc_misses = sum(curves[i][alloc[i]] for i in curves)
@@ -56,5 +62,5 @@ def cache_sweep(trace_path: Path, *, window: int, fractions: list[float], polici
         row["split_allocated"] = 1 - alloc_misses / lookups
         row["split_slots"] = [alloc[i] for i in sorted(alloc)]
         table.append(row)
-    return {"trace": str(trace_path), "model": trace.model, "window": window, "tokens": tokens,
+    return {"trace": str(trace_path), "model": trace.model, "window": window, "tokens": tokens, "default": DEFAULT_POLICY,
             "forecast_recall": forecast_recall, "table": table}

@@ -4,7 +4,7 @@ Stages (each measured on the same prompts with fresh caches):
 1. baseline: K=3, prefetch off — gives the drafting time per round and the
    per-expert load time the analytic bound needs;
 2. cutoffs 0..bound with spmoe (coarse grid, then refined around the best);
-3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LFU;
+3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LRU instead of the default policy;
 6. the three fastest settings measured twice more, interleaved (their median counts,
    their min-max is the noise band tuner.choose() compares).
 tuner.choose() picks from everything measured and names a winner only outside the noise.
@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from predictor.projection import config_digest
+from runtime.cache import DEFAULT_POLICY as P
 from runtime.observe import read_prompts
 from runtime.observe import console, err_console, progress_bar, write_json
 from runtime.observe import uniform_unique_experts
@@ -43,7 +44,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
             measured.append(m)
             return facts
 
-        facts = run(Setting(0, "none", 3, "lru"))
+        facts = run(Setting(0, "none", 3, P))
         n_experts = runner.model_id["n_experts"]
         holds_all = runner.slots_per_layer >= n_experts
         if holds_all:
@@ -58,19 +59,19 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
                           f"{facts['load_ms_per_expert']:.3f} ms per expert read -> cutoff at most {bound} of {n}",
                           highlight=False)
         for c in cutoff_grid(0 if holds_all else bound, n):
-            run(Setting(c, "spmoe" if c else "none", 3, "lru"))
+            run(Setting(c, "spmoe" if c else "none", 3, P))
         best = choose(measured).setting
         for c in refine(best.cutoff, {m.setting.cutoff for m in measured}, 0 if holds_all else bound):
-            run(Setting(c, "spmoe", 3, "lru"))
+            run(Setting(c, "spmoe", 3, P))
         best = choose(measured).setting
         for kk in (2, 4):
-            run(Setting(best.cutoff, best.predictor, kk, "lru"))
+            run(Setting(best.cutoff, best.predictor, kk, P))
         best = choose(measured).setting
         if best.cutoff:
             for p in ("previous", "popularity"):
-                run(Setting(best.cutoff, p, best.num_draft, "lru"))
+                run(Setting(best.cutoff, p, best.num_draft, P))
         best = choose(measured).setting
-        run(Setting(best.cutoff, best.predictor, best.num_draft, "lfu"))
+        run(Setting(best.cutoff, best.predictor, best.num_draft, "lru"))  # the previous default, for comparison
         # One pass per setting is noisy on a shared machine: measure the finalists again, interleaved,
         # and decide on the median of all their passes.
         finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 from predictor.projection import config_digest
+from runtime.cache import DEFAULT_POLICY
 from runtime.tune.tuner import load_tuning, tuning_key
 
 DEFAULTS = {"num_draft": 3,  # = runtime.cli.options.DEFAULT_NUM_DRAFT (mlx-lm's --num-draft-tokens default)
-             "predictor": "spmoe", "cutoff": None, "policy": "lru"}
+             "predictor": "spmoe", "cutoff": None, "policy": DEFAULT_POLICY}
 
 
 def _config(path: Path) -> dict:

@@ -24,6 +24,8 @@ import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from runtime.cache import DEFAULT_POLICY
+
 TUNING_FILE = "tuning.json"
 TUNING_VERSION = 1
 
@@ -37,7 +39,7 @@ class Setting:
 
     def simplicity(self) -> tuple:
         """Smaller is simpler: prefetch off first, then small cutoffs, then short drafts."""
-        return (self.cutoff > 0, self.cutoff, self.num_draft, self.policy != "lru", self.predictor)
+        return (self.cutoff > 0, self.cutoff, self.num_draft, self.policy != DEFAULT_POLICY, self.predictor)
 
 
 @dataclass(frozen=True)
