@@ -40,6 +40,8 @@ class DraftSettings:
     forecast_k: int | None = None  # experts taken per window token by spmoe; None: the target's k
     max_prefetch_bytes: int | None = None  # cap on prefetch reads per round; None: the cache itself
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
+    lookahead: int = 0  # router lookahead for the layers past the cutoff during verify (MoE layers ahead; 0: off)
+    lookahead_experts: int | None = None  # experts per token it takes; None: the target's k
 
 
 @dataclass
@@ -98,13 +100,16 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          projection: str | Path | None = None, forecast_k: int | None = None,
          max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
          memory_limit: str | None = "auto", context_tokens: int = 4096,
-         adaptive_k: bool = True) -> Engine:
+         adaptive_k: bool = True, lookahead: int = 0, lookahead_experts: int | None = None) -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
     `memory_limit` ("12GB", "auto": the auto budget rule's memory, None: no cap) caps the whole process --
     baseline, resident weights, KV and state at `context_tokens`, drafter, expert cache -- and the expert cache
     gives slots back as the KV outgrows that context (runtime/cache/memory_limit.py).
+    `lookahead` > 0 prefetches each MoE layer's experts forecast by pushing the hidden state of the layer
+    `lookahead` MoE layers earlier through its router (plain decode: every layer it can reach; speculative:
+    the layers past the cutoff), `lookahead_experts` per token (default the model's k).
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     notes = []
     settings = None
@@ -117,7 +122,7 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
             notes.append(note)
         settings = DraftSettings(Path(draft), num_draft, predictor, cutoff,
                                  Path(projection) if projection else None, forecast_k, max_prefetch_bytes,
-                                 adaptive_k)
+                                 adaptive_k, lookahead, lookahead_experts)
     om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or DEFAULT_POLICY, threads=threads,
                                                   io_mode=io_mode, verify_checksums=verify,
                                                   governor=GovernorConfig() if memory_governor else None,
@@ -125,6 +130,8 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
                                                   context_tokens=context_tokens,
                                                   drafter_bytes=_weights_bytes(draft) if draft is not None else 0))
     engine = Engine(om, settings, notes, policy or DEFAULT_POLICY)
+    if settings is None and lookahead:
+        om.set_lookahead(lookahead, lookahead_experts)
     if settings is not None:
         try:
             engine._draft_model, engine._draft_config = load_drafter(settings.path, om)
@@ -178,7 +185,8 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
                                       top_p=top_p, seed=0 if seed is None else seed, eos_ids=eos,
                                       draft_model=engine._draft_model, draft_config=engine._draft_config,
                                       one_sync=one_sync, forecast_k=d.forecast_k,
-                                      max_prefetch_bytes=d.max_prefetch_bytes, adaptive_k=d.adaptive_k)
+                                      max_prefetch_bytes=d.max_prefetch_bytes, adaptive_k=d.adaptive_k,
+                                      lookahead=d.lookahead, lookahead_experts=d.lookahead_experts)
         tokens = decoder.stream(ids, max_tokens, eos, progress=progress)
     try:
         yield from _responses(tokens, tokenizer, om, decoder, len(ids), max_tokens, eos)

@@ -16,7 +16,8 @@ Invariants:
   read once, reads overlapping compute. Other calls too large for the slots would be
   split into token groups that each fit (split_by_capacity).
 - A normal call reads the router's choice back to the host (one sync per MoE layer);
-  inside an OneSyncPass the lookup happens on the device and the pass syncs once.
+  inside an OneSyncPass the lookup happens on the device and the pass syncs once. A
+  lookahead forecast of later layers, if attached, is evaluated in that same sync.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
   else the stock SwitchGLU, as single tokens do.
@@ -61,6 +62,7 @@ class CachedSwitchGLU(nn.Module):
         self.observer = observer  # if set: observer(layer, expert_ids (N, k)) on every call (the decoder's)
         self.telemetry = None  # if set: telemetry.on_call(layer, expert_ids (N, k), [CallStats per group])
         self.one_sync = None  # an OneSyncPass while one runs: no host sync here (runtime/decode/one_sync.py)
+        self.lookahead = None  # if set: a LookaheadPrefetch (runtime/decode/lookahead_prefetch.py)
         # like: the stock expert module being replaced; the slab module runs its class (runtime/cache/slab_switch.py)
         self.switch = slab_switch_glu(layout, cache.slabs[layer], activation, like=like)
         self._pending: list[tuple[mx.array, np.ndarray]] = []
@@ -97,7 +99,12 @@ class CachedSwitchGLU(nn.Module):
         if self.one_sync is not None:
             return self.one_sync.layer_call(self, x, indices)
         self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
+        ahead = self.lookahead.start(self.layer, x) if self.lookahead is not None else None
+        if ahead:
+            mx.eval(indices, [top for _, top in ahead])  # the forecast of later layers rides on this sync
         ids = np.array(indices)  # host sync: which experts this call needs
+        if self.lookahead is not None:
+            self.lookahead.finish(self.layer, ahead, ids)  # queues its prefetches before our demand reads
         if self.observer is not None:
             self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))
         k = ids.shape[-1]

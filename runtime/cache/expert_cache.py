@@ -241,6 +241,8 @@ class ExpertCache:
         key from eviction until unprotect(layer). Returns the bytes queued."""
         queued = 0
         with self._lock:
+            # Resident keys first (stable: order kept otherwise): reading an absent one must not evict them.
+            keys = sorted(keys, key=lambda k: bool(self.table.layers[k.layer].expert_to_slot[k.expert] < 0))
             for key in keys:
                 if key in self._protected:
                     continue

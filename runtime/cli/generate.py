@@ -107,6 +107,11 @@ def register(app: typer.Typer) -> None:
                                        help="Run a decode step or verify pass with one host sync when its experts "
                                             "are resident: auto (when its measured saving beats its failures), on, off."),
         policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru (default: tuned, else dlfu)."),
+        lookahead: int = typer.Option(0, "--lookahead", min=0,
+                                      help="Prefetch each MoE layer's experts forecast from the layer this many MoE layers "
+                                           "earlier, through its router (0: off; with --draft only for layers past the cutoff)."),
+        lookahead_experts: int = typer.Option(None, "--lookahead-experts", min=1,
+                                              help="Experts per token the lookahead takes (default the model's k)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
@@ -148,7 +153,8 @@ def register(app: typer.Typer) -> None:
                       threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
                       projection=projection, forecast_k=forecast_k,
                       max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=None if memory_limit.lower() == "none" else memory_limit)
+                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=None if memory_limit.lower() == "none" else memory_limit,
+                      lookahead=lookahead, lookahead_experts=lookahead_experts)
         with engine:
             om = engine.model
             for note in engine.notes:
@@ -187,6 +193,14 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"wrote prompt cache {prompt_cache_file} ({len(pc.tokens)} tokens)", highlight=False)
             if engine.draft is not None and low_acceptance_note(stats):
                 err_console.print(low_acceptance_note(stats), highlight=False)
+            if om.lookahead is not None:
+                la = om.lookahead.stats
+                err_console.print("lookahead: recall " + ", ".join(f"{s.recall:.0%} at {j} layer(s) ahead"
+                                                                  for j, s in la.by_distance.items())
+                                  + f", {la.queued_bytes / 1e6:.2f} MB queued"
+                                  + (f", prefetch switched off for {la.gated_off} forecasts" if la.gated_off else ""),
+                                  highlight=False)
+                result["lookahead"] = la.to_json()
             if json_path:
                 result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
                 if om.governor is not None:

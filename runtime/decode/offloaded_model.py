@@ -85,6 +85,7 @@ class OffloadedModel:
         self.memory_limit = None  # the MemoryLimit of --memory-limit (None: no limit)
         self.context_governor = None  # gives back expert slots as the KV grows under the limit (None: no limit)
         self.prefill_step = DEFAULT_PREFILL_STEP  # prompt tokens per prefill chunk (smaller only when the limit needs it)
+        self.lookahead = None  # the attached LookaheadPrefetch (set_lookahead), if any
         for m in modules.values():
             m.telemetry = telemetry
 
@@ -203,6 +204,24 @@ class OffloadedModel:
         for m in self.modules.values():
             m.release()
         self.cache.empty()
+
+    def set_lookahead(self, distance: int | None, per_token: int | None = None, *, targets=None,
+                      queue: bool = True, distances: tuple[int, ...] | None = None):
+        """Forecast each MoE layer's experts from the layer `distance` MoE layers before it (its input
+        through the later layers' routers) and prefetch them; `per_token` experts per token (default
+        top-k); only `targets` layers if given; queue=False only scores (recall by distance). None or 0
+        detaches it. Returns the LookaheadPrefetch (its .stats) or None."""
+        from predictor.lookahead import RouterLookahead
+        from runtime.decode.lookahead_prefetch import LookaheadPrefetch
+
+        hook = None
+        if distance or distances:
+            la = RouterLookahead(self.routers(), distances or (distance,), per_token or self.top_k, targets)
+            hook = LookaheadPrefetch(self.cache, la, self.moe_layers[0], queue=queue)
+        for m in self.modules.values():
+            m.lookahead = hook
+        self.lookahead = hook
+        return hook
 
     def set_observer(self, observer) -> None:
         """Call observer(layer, expert_ids (tokens, k)) on every MoE call; None to stop."""

@@ -40,10 +40,15 @@ class GenerationStats:
     one_sync_tries: int = 0  # decode steps tried with one host sync (runtime/decode/one_sync.py)
     one_sync_fallbacks: int = 0  # of those, steps that met an absent expert and ran again normally
     prefill: PrefillStats | None = None  # the prompt: tokens/s, reads, bytes, reads per routed expert
+    prefetch_reads_per_token: float = 0.0  # decode: experts read because a forecast (lookahead) named them
+    prefetch_used_per_token: float = 0.0  # decode: of those, used by a call
+    prefetch_wasted_per_token: float = 0.0  # decode: prefetched experts evicted unused
 
     def line(self) -> str:
         return (f"{self.tokens_per_s:.1f} tok/s | hit rate {self.hit_rate:.1%} | "
-                f"{self.misses_per_token:.2f} misses/token | {self.mb_read_per_token:.3f} MB read/token | "
+                f"{self.misses_per_token:.2f} demand misses/token | {self.mb_read_per_token:.3f} MB read/token | "
+                + (f"prefetch {self.prefetch_reads_per_token:.2f}/token (used {self.prefetch_used_per_token:.2f}, "
+                   f"wasted {self.prefetch_wasted_per_token:.2f}) | " if self.prefetch_reads_per_token else "") +
                 f"prompt {self.n_prompt_tokens} tok, generated {self.n_tokens} tok | "
                 f"one-sync steps {self.one_sync_tries - self.one_sync_fallbacks}/{self.one_sync_tries}")
 
@@ -52,7 +57,8 @@ class GenerationStats:
 
 
 def _counters(om) -> dict:
-    return om.counters() if om is not None else {"hits": 0, "misses": 0, "bytes_read": 0, "load_wait_ms": 0.0}
+    return om.counters() if om is not None else {"hits": 0, "misses": 0, "bytes_read": 0, "load_wait_ms": 0.0,
+                                                 "prefetch_loaded": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
 
 
 def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
@@ -174,6 +180,9 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         one_sync_tries=one_sync_model.stats.tries if one_sync_model else 0,
         one_sync_fallbacks=one_sync_model.stats.fallbacks if one_sync_model else 0,
         prefill=prefill,
+        prefetch_reads_per_token=(c2["prefetch_loaded"] - c1["prefetch_loaded"]) / n_decode if n_decode else 0.0,
+        prefetch_used_per_token=(c2["prefetch_hits"] - c1["prefetch_hits"]) / n_decode if n_decode else 0.0,
+        prefetch_wasted_per_token=(c2["prefetch_wasted"] - c1["prefetch_wasted"]) / n_decode if n_decode else 0.0,
     )
 
 

@@ -20,11 +20,15 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
                         cutoff: int | None, projection: Path | None = None, temp: float = 0.0, top_p: float = 1.0,
                         seed: int = 0, eos_ids=(), max_prefetch_bytes: int | None = None, draft_model=None,
                         draft_config=None, one_sync: str = "auto", forecast_k: int | None = None,
-                        forecast_limit: int | None = None, adaptive_k: bool = True) -> SpeculativeDecoder:
+                        forecast_limit: int | None = None, adaptive_k: bool = True, lookahead: int = 0,
+                        lookahead_experts: int | None = None) -> SpeculativeDecoder:
     """A SpeculativeDecoder for `om` and the drafter in `draft_dir` (or `draft_model`), ready to stream.
 
     `ids` and `max_tokens` are needed only by the oracle, which records the same run first.
-    Call `release_decoder(decoder)` when done: it removes the drafter's taps."""
+    Call `release_decoder(decoder)` when done: it removes the drafter's taps.
+    `lookahead` > 0: the layers past the cutoff (those spmoe does not prefetch for while the drafter
+    runs) get the router lookahead during verify, `lookahead` MoE layers ahead, `lookahead_experts`
+    per token (default the target's k); 0 detaches any lookahead."""
     if draft_model is None:
         draft_model, draft_config = load_drafter(draft_dir, om)
     cfg = SpecConfig(num_draft=num_draft, cutoff=cutoff, temp=temp, top_p=top_p, seed=seed,
@@ -42,7 +46,10 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
                            limit=forecast_limit, forecast_k=forecast_k)
     drafter = make_drafter(draft_model, predictor if cutoff != 0 else "none")
     try:
-        return SpeculativeDecoder(om, drafter, pred, cfg)
+        decoder = SpeculativeDecoder(om, drafter, pred, cfg)
+        rest = set(om.moe_layers) - set(decoder.prefetch_layers)
+        om.set_lookahead(lookahead if rest else 0, lookahead_experts, targets=rest)
+        return decoder
     except BaseException:
         release_drafter(drafter)
         raise

@@ -21,12 +21,12 @@ from runtime.observe.routing_math import (
     power_law_hit_rate,
     uniform_unique_experts,
 )
-from runtime.observe.telemetry import Telemetry
+from runtime.observe.telemetry import Telemetry, read_summary
 from runtime.observe.trace import RoutingTrace
 
 __all__ = [
     "layer_report", "PrefillProgress", "analyse", "read_prompts", "run_workload", "trace_of", "plot_profile", "pyplot",
     "LineProgress", "progress_bar", "console",
     "err_console", "fail", "write_json", "expected_tokens_per_round", "fit_power_law_exponent",
-    "power_law_hit_rate", "uniform_unique_experts", "Telemetry", "RoutingTrace",
+    "power_law_hit_rate", "uniform_unique_experts", "Telemetry", "RoutingTrace", "read_summary",
 ]

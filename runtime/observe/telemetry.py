@@ -149,3 +149,14 @@ class Telemetry:
             "bytes_read": t.bytes_read, "stall_ms": t.stall_ms, "misses": t.misses, "hits": t.hits,
             "prefetch_used": t.prefetch_used,
         }
+
+
+def read_summary(c0: dict, c1: dict, n_tokens: int) -> dict:
+    """What was read between two OffloadedModel.counters() snapshots, per token: demand misses,
+    prefetch reads, used (a call hit them) and wasted (evicted unused), and MB (demand + prefetch)."""
+    d = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("misses", "prefetch_loaded", "prefetch_hits", "prefetch_wasted",
+                                                     "bytes_read")}
+    per = (lambda v: v / n_tokens) if n_tokens else (lambda v: 0.0)
+    return {"demand_misses_per_token": per(d["misses"]), "prefetch_reads_per_token": per(d["prefetch_loaded"]),
+            "prefetch_used_per_token": per(d["prefetch_hits"]), "prefetch_wasted_per_token": per(d["prefetch_wasted"]),
+            "mb_read_per_token": per(d["bytes_read"]) / 1e6}
