@@ -100,7 +100,7 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          projection: str | Path | None = None, forecast_k: int | None = None,
          max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
          memory_limit: str | None = "auto", context_tokens: int = 4096,
-         adaptive_k: bool = True, lookahead: int = 0, lookahead_experts: int | None = None) -> Engine:
+         adaptive_k: bool = True, lookahead: int | None = None, lookahead_experts: int | None = None) -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
@@ -109,10 +109,15 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     gives slots back as the KV outgrows that context (runtime/cache/memory_limit.py).
     `lookahead` > 0 prefetches each MoE layer's experts forecast by pushing the hidden state of the layer
     `lookahead` MoE layers earlier through its router (plain decode: every layer it can reach; speculative:
-    the layers past the cutoff), `lookahead_experts` per token (default the model's k).
+    the layers past the cutoff), `lookahead_experts` per token (default the model's k); None: the tuned
+    setting with a drafter, else off.
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     notes = []
     settings = None
+    from runtime.tune import resolve_lookahead
+
+    lookahead, lookahead_experts = resolve_lookahead(Path(model), Path(draft) if draft else None, budget, lookahead,
+                                                     lookahead_experts)
     if draft is not None:
         from runtime.tune import resolve_settings
 

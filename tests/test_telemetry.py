@@ -75,6 +75,9 @@ def test_profile_cli_end_to_end(tiny_dirs, tmp_path):
     assert code == 0, err
     report = json.loads(out.read_text())
     assert report["summary"]["sequences"] == 2 and "overlap" in stdout and "unique experts per 5-token window" in stdout
+    reads = report["reads"]  # demand misses, prefetch used/wasted and bytes per token, from the cache's counters
+    assert reads["demand_misses_per_token"] * report["summary"]["tokens"] == pytest.approx(report["telemetry"]["misses"])
+    assert reads["mb_read_per_token"] > 0 and "reads per token:" in stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     code, again, err = run_cli(["profile", "--trace", str(trace), "-k", "4"])
     assert code == 0 and again.splitlines()[-1] == stdout.splitlines()[-1]

@@ -96,3 +96,18 @@ def test_a_winner_inside_the_noise_is_not_declared():
     clear = [_passes(0, [10.5, 11.0, 11.5]), _passes(4, [12.8, 13.0, 13.2])]
     c = choose(clear)
     assert c.setting.cutoff == 4 and "outside the noise" in c.reason and "3 pass(es)" in c.reason
+
+
+def test_lookahead_kept_only_when_it_pays_and_old_tuning_files_still_load(tmp_path):
+    off = Measurement(Setting(0, "none", 3, "dlfu"), 10.0, 1.0, 0.0, 0.0, 0.0, 0.5)
+    near = Measurement(Setting(0, "none", 3, "dlfu", 1, 4), 10.2, 0.5, 1.0, 0.5, 0.0, 0.5)  # within noise: off wins
+    assert choose([off, near]).setting == off.setting
+    assert "prefetch does not pay" in choose([off, near]).reason
+    fast = Measurement(Setting(0, "none", 3, "dlfu", 2, 4), 11.0, 0.5, 1.0, 0.5, 0.0, 0.5)
+    assert choose([off, near, fast]).setting.lookahead == 2
+    key = tuning_key("model-a", "drafter-x", "50%")
+    old = {"version": 1, "entries": [{"key": key, "setting": {"cutoff": 2, "predictor": "spmoe", "num_draft": 3,
+                                                             "policy": "lru"}}]}
+    (tmp_path / "tuning.json").write_text(json.dumps(old))  # written before the lookahead existed
+    setting, _ = load_tuning(tmp_path, key)
+    assert setting == Setting(2, "spmoe", 3, "lru") and setting.lookahead == 0

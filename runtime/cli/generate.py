@@ -107,9 +107,10 @@ def register(app: typer.Typer) -> None:
                                        help="Run a decode step or verify pass with one host sync when its experts "
                                             "are resident: auto (when its measured saving beats its failures), on, off."),
         policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru (default: tuned, else dlfu)."),
-        lookahead: int = typer.Option(0, "--lookahead", min=0,
+        lookahead: int = typer.Option(None, "--lookahead", min=0,
                                       help="Prefetch each MoE layer's experts forecast from the layer this many MoE layers "
-                                           "earlier, through its router (0: off; with --draft only for layers past the cutoff)."),
+                                           "earlier, through its router (0: off; with --draft only for layers past the "
+                                           "cutoff; default: tuned, else off)."),
         lookahead_experts: int = typer.Option(None, "--lookahead-experts", min=1,
                                               help="Experts per token the lookahead takes (default the model's k)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),

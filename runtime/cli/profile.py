@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
     ):
         """Report unique experts per layer per window, overlap vs baselines, hit rates and bytes read."""
         from runtime.decode import OffloadConfig, OffloadedModel
-        from runtime.observe import analyse, read_prompts, run_workload, trace_of
+        from runtime.observe import analyse, read_prompts, read_summary, run_workload, trace_of
         from runtime.observe import RoutingTrace
 
         if num_draft < 1:
@@ -80,6 +80,7 @@ def register(app: typer.Typer) -> None:
             texts = read_prompts(prompts)
             om = OffloadedModel.load(model, OffloadConfig(budget=budget, trace=True))
             try:
+                c0 = om.counters()
                 with progress_bar(console=err_console) as bar:
                     task = bar.add_task("profiling", total=len(texts))
                     spec = run_workload(om, texts, max_tokens=max_tokens, draft=draft, num_draft=num_draft,
@@ -90,8 +91,14 @@ def register(app: typer.Typer) -> None:
                 report = analyse(tr, num_draft + 1)
                 totals = om.telemetry.totals
                 report["telemetry"] = om.telemetry.summary()
+                report["reads"] = read_summary(c0, om.counters(), tr.n_tokens)
             finally:
                 om.close()
+        if "reads" in report:  # before the tables: their last line is the same with or without a model
+            r = report["reads"]
+            console.print(f"reads per token: {r['demand_misses_per_token']:.2f} demand misses, "
+                          f"{r['prefetch_reads_per_token']:.2f} prefetched (used {r['prefetch_used_per_token']:.2f}, "
+                          f"wasted {r['prefetch_wasted_per_token']:.2f}), {r['mb_read_per_token']:.3f} MB", highlight=False)
         _tables(report, totals, spec)
         report["speculative"] = spec
         if json_path:

@@ -54,7 +54,8 @@ class SettingRunner:
                 ids = list(om.tokenizer.encode(prompt))
                 _, st, layers = run_speculative(om, w.draft, ids, max_tokens=w.max_tokens, num_draft=s.num_draft,
                                                 predictor=s.predictor, cutoff=s.cutoff, draft_model=self.draft_model,
-                                                draft_config=self.draft_config)
+                                                draft_config=self.draft_config, lookahead=s.lookahead,
+                                                lookahead_experts=s.lookahead_experts or None)
                 tps.append(st.n_tokens / st.decode_s if st.decode_s else 0.0)
                 c = st.counters
                 misses += c["misses"]

@@ -5,6 +5,8 @@ Stages (each measured on the same prompts with fresh caches):
    per-expert load time the analytic bound needs;
 2. cutoffs 0..bound with spmoe (coarse grid, then refined around the best);
 3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LRU instead of the default policy;
+5b. the router lookahead for the layers past the cutoff: 1 or 2 layers ahead, k or 2k experts per
+    token (kept only if it is measurably faster: choose() prefers it off within noise);
 6. the three fastest settings measured twice more, interleaved (their median counts,
    their min-max is the noise band tuner.choose() compares).
 tuner.choose() picks from everything measured and names a winner only outside the noise.
@@ -39,7 +41,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         def run(s: Setting):
             if any(m.setting == s for m in measured):
                 return
-            bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
+            bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy} lookahead {s.lookahead}")
             m, facts = runner.measure(s)
             measured.append(m)
             return facts
@@ -72,6 +74,10 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
                 run(Setting(best.cutoff, p, best.num_draft, P))
         best = choose(measured).setting
         run(Setting(best.cutoff, best.predictor, best.num_draft, "lru"))  # the previous default, for comparison
+        best = choose(measured).setting
+        if best.cutoff < n and not holds_all:  # layers past the cutoff: does the router lookahead pay, how far ahead?
+            for j, m in ((1, k), (2, k), (1, 2 * k)):
+                run(Setting(best.cutoff, best.predictor, best.num_draft, best.policy, j, m))
         # One pass per setting is noisy on a shared machine: measure the finalists again, interleaved,
         # and decide on the median of all their passes.
         finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]

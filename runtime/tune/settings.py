@@ -34,3 +34,15 @@ def resolve_settings(model: Path, draft: Path, budget: str, num_draft, predictor
                 f"cutoff {tuned.cutoff}, policy {tuned.policy}" + (f" (overridden: {', '.join(overridden)})" if overridden else ""))
     out.update({k: v for k, v in given.items() if v is not None})
     return out["num_draft"], out["predictor"], out["cutoff"], out["policy"], note
+
+
+def resolve_lookahead(model: Path, draft: Path | None, budget: str, lookahead, lookahead_experts) -> tuple[int, int | None]:
+    """(lookahead distance, experts per token or None for k): the flags if given, else the tuned setting
+    for this model, drafter, budget and machine (speculative only), else off."""
+    if lookahead is not None or draft is None:
+        return lookahead or 0, lookahead_experts
+    key = tuning_key(config_digest(_config(model)), config_digest(_config(draft)), budget)
+    tuned, _ = load_tuning(model, key)
+    if tuned is None:
+        return 0, lookahead_experts
+    return tuned.lookahead, lookahead_experts or tuned.lookahead_experts or None

@@ -36,10 +36,13 @@ class Setting:
     predictor: str  # forecaster name
     num_draft: int  # K
     policy: str  # cache eviction policy
+    lookahead: int = 0  # router lookahead for the layers past the cutoff: MoE layers ahead (0 = off)
+    lookahead_experts: int = 0  # experts per token it takes (0 = the model's k)
 
     def simplicity(self) -> tuple:
-        """Smaller is simpler: prefetch off first, then small cutoffs, then short drafts."""
-        return (self.cutoff > 0, self.cutoff, self.num_draft, self.policy != DEFAULT_POLICY, self.predictor)
+        """Smaller is simpler: prefetch off first, then small cutoffs, lookahead off, short drafts."""
+        return (self.cutoff > 0, self.cutoff, self.lookahead > 0, self.lookahead, self.lookahead_experts,
+                self.num_draft, self.policy != DEFAULT_POLICY, self.predictor)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
     else:
         reason = (f"no winner outside the noise: the fastest ({best.setting}, {fmt(best)}) overlaps this simpler "
                   f"setting ({fmt(pick)}); keeping the simpler one")
-    if pick.setting.cutoff == 0:
+    if pick.setting.cutoff == 0 and pick.setting.lookahead == 0:
         reason += "; prefetch does not pay here"
     return Choice(pick.setting, pick, reason)
 
