@@ -212,8 +212,9 @@ def part_recall_vs_spmoe(tokens: int) -> dict:
 
 
 def _decode(om, prompts, tokens):
+    """Decode-only figures (GenerationStats leaves prefill out): tok/s median over prompts, sums per token."""
     tps, agg = [], {"tokens": 0, "misses": 0.0, "mb": 0.0}
-    c0 = om.counters()
+    d = {"prefetch_hits": 0.0, "prefetch_loaded": 0.0, "prefetch_wasted": 0.0}
     for p in prompts:
         _, st = generate_tokens(om.model, list(om.tokenizer.encode(p)), max_tokens=tokens, om=om, one_sync="off")
         n = st.n_tokens - 1
@@ -221,43 +222,47 @@ def _decode(om, prompts, tokens):
         agg["tokens"] += n
         agg["misses"] += st.misses_per_token * n
         agg["mb"] += st.mb_read_per_token * n
-    c1 = om.counters()
-    d = {k: c1[k] - c0[k] for k in ("prefetch_hits", "prefetch_loaded", "prefetch_wasted")}
+        d["prefetch_hits"] += st.prefetch_used_per_token * n
+        d["prefetch_loaded"] += st.prefetch_reads_per_token * n
+        d["prefetch_wasted"] += st.prefetch_wasted_per_token * n
     return statistics.median(tps), agg, d
 
 
-def part_live(repeats: int, tokens: int, emulate: list[float], distance: int, per_token: int) -> dict:
+LIVE_VARIANTS = {"off": None, "j=1 m=4": (1, 4, 0.0), "j=1 m=2": (1, 2, 0.0), "j=1 m=4 p>=0.05": (1, 4, 0.05),
+                 "j=2 m=4": (2, 4, 0.0)}
+
+
+def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
     prompts = [t for t in (ROOT / "prompts.txt").read_text().splitlines() if t.strip()][:2]
     out = {}
     for ms in emulate:
-        runs = {"off": [], "on": []}
-        extra = {}
+        runs = {v: [] for v in LIVE_VARIANTS}
+        extra = {v: [] for v in LIVE_VARIANTS}
         for _ in range(repeats):
-            for variant in ("off", "on"):  # interleaved
+            for variant, la in LIVE_VARIANTS.items():  # interleaved
                 om = OffloadedModel.load(embedded_pair().target, OffloadConfig(
                     budget="25%", inject=f"slow:ms={ms}" if ms else ""))
                 try:
-                    hook = om.set_lookahead(distance, per_token) if variant == "on" else None
+                    if la is not None:
+                        om.set_lookahead(la[0], la[1], min_prob=la[2])
                     tps, agg, d = _decode(om, prompts, tokens)
                 finally:
                     om.close()
                 runs[variant].append(tps)
-                extra.setdefault(variant, []).append({"misses_per_token": agg["misses"] / agg["tokens"],
-                                                      "mb_per_token": agg["mb"] / agg["tokens"],
-                                                      **{k: v / agg["tokens"] for k, v in d.items()},
-                                                      "gated_off": hook.stats.gated_off if hook else 0})
-        ratio = [a / b for a, b in zip(runs["on"], runs["off"])]
+                extra[variant].append({"misses_per_token": agg["misses"] / agg["tokens"],
+                                       "mb_per_token": agg["mb"] / agg["tokens"],
+                                       **{k: v / agg["tokens"] for k, v in d.items()}})
         label = f"EMULATED +{ms:g} ms/read" if ms else "real reads"
-        print(f"\nlive plain decode at 25%, {label}: tok/s median (min-max) over {repeats} interleaved repeats, "
-              f"lookahead j={distance}, {per_token} experts/token")
-        for v in ("off", "on"):
+        print(f"\nlive plain decode at 25% (dlfu), {label}: decode tok/s median (min-max) over {repeats} interleaved "
+              f"repeats of {len(prompts)} prompts x {tokens} tokens; ratio to off per repeat")
+        for v in LIVE_VARIANTS:
             e = extra[v]
             med = lambda key: statistics.median(x[key] for x in e)  # noqa: E731
-            print(f"  lookahead {v:<4}{spread(runs[v]):>24} tok/s | demand misses/tok {med('misses_per_token'):.2f} | "
-                  f"MB/tok {med('mb_per_token'):.4f} | prefetch used/tok {med('prefetch_hits'):.2f}, "
-                  f"wasted/tok {med('prefetch_wasted'):.2f}")
-        print(f"  on / off tok/s: {spread(ratio)}")
-        out[label] = {"tok_s": runs, "on_vs_off": ratio, "detail": extra}
+            ratio = [a / b for a, b in zip(runs[v], runs["off"])]
+            print(f"  lookahead {v:<16}{spread(runs[v]):>22} tok/s  on/off {spread(ratio):>18} | demand misses/tok "
+                  f"{med('misses_per_token'):.2f} | MB/tok {med('mb_per_token'):.4f} | prefetch reads/tok "
+                  f"{med('prefetch_loaded'):.2f}: used {med('prefetch_hits'):.2f}, wasted {med('prefetch_wasted'):.2f}")
+        out[label] = {"tok_s": runs, "detail": extra}
     return out
 
 
@@ -266,8 +271,6 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48, help="tokens per prompt in the live runs")
     ap.add_argument("--record-tokens", type=int, default=200, help="tokens per prompt of the recorded decode workload")
-    ap.add_argument("--distance", type=int, default=1, help="lookahead distance for the live runs")
-    ap.add_argument("--live-per-token", type=int, default=4)
     ap.add_argument("--skip-live", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
     args = ap.parse_args()
@@ -277,7 +280,7 @@ def main():
         result["lookahead_replay"] = part_lookahead(args.record_tokens)
         result["recall_vs_spmoe"] = part_recall_vs_spmoe(args.tokens)
     if not args.skip_live:
-        result["live"] = part_live(args.repeats, args.tokens, [0.0, 1.0], args.distance, args.live_per_token)
+        result["live"] = part_live(args.repeats, args.tokens, [0.0, 1.0])
     print(json.dumps(result, default=lambda o: str(o)))
 
 

@@ -68,7 +68,7 @@ class RouterLookahead:
             top = mx.argpartition(-logits, m - 1, axis=-1)[:, :m]
             if self.min_prob > 0:
                 p = mx.take_along_axis(mx.softmax(logits, axis=-1), top, axis=-1)
-                top = mx.where(p >= self.min_prob, top, -1)
+                top = mx.where(p >= self.min_prob, top.astype(mx.int32), -1)
             out.append((hop, top))
         return out
 

@@ -58,6 +58,13 @@ def test_forecast_is_the_later_router_on_the_same_residual(tiny_dirs):
                 assert np.array_equal(np.sort(np.array(top), axis=-1), want), (src, hop.target)
                 checked += 1
         assert checked >= 2
+        x, _ = seen[min(seen)]
+        sure = RouterLookahead(routers, (1,), per_token=3, min_prob=1.0)  # no router is that sure
+        (_, top), = sure.forecast(min(seen), x)
+        assert len(RouterLookahead.experts(top)) == 0
+        some = RouterLookahead(routers, (1,), per_token=3, min_prob=1e-9)
+        (_, top), = some.forecast(min(seen), x)
+        assert np.array_equal(RouterLookahead.experts(top), np.unique(np.array(la.forecast(min(seen), x)[0][1])))
     finally:
         om.close()
 

@@ -206,17 +206,18 @@ class OffloadedModel:
         self.cache.empty()
 
     def set_lookahead(self, distance: int | None, per_token: int | None = None, *, targets=None,
-                      queue: bool = True, distances: tuple[int, ...] | None = None):
+                      queue: bool = True, distances: tuple[int, ...] | None = None, min_prob: float = 0.0):
         """Forecast each MoE layer's experts from the layer `distance` MoE layers before it (its input
         through the later layers' routers) and prefetch them; `per_token` experts per token (default
-        top-k); only `targets` layers if given; queue=False only scores (recall by distance). None or 0
+        top-k) whose router probability is at least `min_prob`; only `targets` layers if given; queue=False
+        only scores (recall by distance). None or 0
         detaches it. Returns the LookaheadPrefetch (its .stats) or None."""
         from predictor.lookahead import RouterLookahead
         from runtime.decode.lookahead_prefetch import LookaheadPrefetch
 
         hook = None
         if distance or distances:
-            la = RouterLookahead(self.routers(), distances or (distance,), per_token or self.top_k, targets)
+            la = RouterLookahead(self.routers(), distances or (distance,), per_token or self.top_k, targets, min_prob)
             hook = LookaheadPrefetch(self.cache, la, self.moe_layers[0], queue=queue)
         for m in self.modules.values():
             m.lookahead = hook
