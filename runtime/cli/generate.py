@@ -113,6 +113,9 @@ def register(app: typer.Typer) -> None:
                                            "cutoff; default: tuned, else off)."),
         lookahead_experts: int = typer.Option(None, "--lookahead-experts", min=1,
                                               help="Experts per token the lookahead takes (default the model's k)."),
+        slots_from_trace: Path = typer.Option(None, "--slots-from-trace",
+                                              help="Routing trace of this model (specmoe profile --trace): split the "
+                                                   "cache's slots over layers by their miss curves (same total)."),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
@@ -155,7 +158,7 @@ def register(app: typer.Typer) -> None:
                       projection=projection, forecast_k=forecast_k,
                       max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
                       inject=inject or "", adaptive_k=adaptive_k, memory_limit=None if memory_limit.lower() == "none" else memory_limit,
-                      lookahead=lookahead, lookahead_experts=lookahead_experts)
+                      lookahead=lookahead, lookahead_experts=lookahead_experts, slot_trace=slots_from_trace)
         with engine:
             om = engine.model
             for note in engine.notes:

@@ -52,6 +52,7 @@ class OffloadConfig:
     inject: str = ""  # debug only: storage.faults spec of disk faults to inject ("": none)
     memory_limit: str | None = None  # --memory-limit: cap on the whole process ("auto", "12GB"); None: none
     drafter_bytes: int = 0  # the drafter's weights, counted against the memory limit
+    slot_trace: Path | None = None  # a routing trace of this model: split the budget's slots by miss curves
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -64,6 +65,21 @@ def get_module(root: nn.Module, path: str) -> nn.Module:
 def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(get_module(root, parent), leaf, module)
+
+
+def _split_slots(plan: BudgetPlan, trace_path: Path, minimum: int, expert_bytes: dict[int, int]) -> BudgetPlan:
+    """The plan with its slots re-split over layers by the trace's miss curves (same total)."""
+    from dataclasses import replace
+
+    from runtime.observe import RoutingTrace
+    from runtime.tune.slot_split import split_by_miss_curves
+
+    trace = RoutingTrace.load(trace_path)
+    slots = split_by_miss_curves(trace, plan.slots, minimum)
+    used = sum(slots[l] * expert_bytes[l] for l in slots)
+    if used > plan.budget_bytes:  # layers of different expert sizes: never exceed the budget
+        return plan
+    return replace(plan, slots=slots)
 
 
 class OffloadedModel:
@@ -113,6 +129,13 @@ class OffloadedModel:
                     plan, cfg.memory_limit, config=store.config, layouts=layouts, resident_bytes=store.resident_bytes,
                     context_tokens=cfg.context_tokens, drafter_bytes=cfg.drafter_bytes, top_k=top_k(store.config),
                     baseline_bytes=baseline)
+            except BaseException:
+                store.close()
+                raise
+        if cfg.slot_trace is not None:
+            try:
+                plan = _split_slots(plan, cfg.slot_trace, top_k(store.config),
+                                    {l: lay.expert_bytes for l, lay in layouts.items()})
             except BaseException:
                 store.close()
                 raise

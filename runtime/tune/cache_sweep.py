@@ -10,19 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from runtime.cache import DEFAULT_POLICY
 from runtime.tune.replay import allocate_slots, belady, replay, windows_of
+from runtime.tune.slot_split import coarse_miss_curve
 from runtime.observe import RoutingTrace
-
-
-def _curve(seqs, n: int, lo: int, window: int, policy: str = DEFAULT_POLICY) -> dict[int, int]:
-    """`policy`'s misses for every slot count from lo to n (coarse steps, linearly interpolated)."""
-    step = max(1, (n - lo) // 24)
-    pts = sorted(set(range(lo, n + 1, step)) | {n})
-    measured = {s: replay(seqs, n, s, policy, window).misses for s in pts}
-    return {s: int(round(np.interp(s, pts, [measured[p] for p in pts]))) for s in range(lo, n + 1)}
 
 
 def cache_sweep(trace_path: Path, *, window: int, fractions: list[float], policies: list[str],
@@ -35,7 +26,7 @@ def cache_sweep(trace_path: Path, *, window: int, fractions: list[float], polici
         raise ValueError(f"{trace_path}: the trace has no tokens")
     expert_mb = trace.model.get("expert_bytes", 0) / 1e6
     lo = max(max((len(w) for w in windows_of(seqs, window)), default=k) for seqs in layers)
-    curves = {i: _curve(seqs, n, lo, window) for i, seqs in enumerate(layers)}
+    curves = {i: coarse_miss_curve(seqs, n, lo, window) for i, seqs in enumerate(layers)}
     table = []
     for f in fractions:
         slots = max(lo, int(round(f * n)))
