@@ -266,6 +266,49 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
     return out
 
 
+SPEC_VARIANTS = {"L=0": (0, 0), "L=0 + lookahead j=1": (0, 1), "L=3 spmoe": (3, 0), "L=3 spmoe + lookahead j=1": (3, 1)}
+
+
+def part_spec(repeats: int, tokens: int, emulate: list[float]) -> dict:
+    """Speculative decoding (routing-trained drafter, K=3, 25%): spmoe prefetch for the first L layers while
+    the drafter runs, and the lookahead for the layers past L during verify."""
+    from runtime.decode import run_speculative
+
+    pair = embedded_pair()
+    prompts = [t for t in (ROOT / "prompts.txt").read_text().splitlines() if t.strip()][:2]
+    out = {}
+    for ms in emulate:
+        runs = {v: [] for v in SPEC_VARIANTS}
+        extra = {v: [] for v in SPEC_VARIANTS}
+        for _ in range(repeats):
+            for v, (cutoff, j) in SPEC_VARIANTS.items():
+                tps, miss, mb, n = [], 0, 0, 0
+                for p in prompts:
+                    om = OffloadedModel.load(pair.target, OffloadConfig(budget="25%", inject=f"slow:ms={ms}" if ms else ""))
+                    try:
+                        ids = list(om.tokenizer.encode(p))
+                        _, st, _ = run_speculative(om, pair.default_drafter, ids, max_tokens=tokens, num_draft=3,
+                                                   predictor="spmoe" if cutoff else "none", cutoff=cutoff, lookahead=j)
+                    finally:
+                        om.close()
+                    tps.append(st.n_tokens / st.decode_s if st.decode_s else 0.0)
+                    miss += st.counters["misses"]
+                    mb += st.counters["bytes_read"]
+                    n += st.n_tokens
+                runs[v].append(statistics.median(tps))
+                extra[v].append({"misses_per_token": miss / n, "mb_per_token": mb / 1e6 / n})
+        label = f"EMULATED +{ms:g} ms/read" if ms else "real reads"
+        print(f"\nspeculative decoding at 25% (K=3), {label}: decode tok/s median (min-max) over {repeats} interleaved "
+              f"repeats of {len(prompts)} prompts x {tokens} tokens; ratio to L=0 per repeat")
+        for v in SPEC_VARIANTS:
+            ratio = [a / b for a, b in zip(runs[v], runs["L=0"])]
+            med = lambda key: statistics.median(x[key] for x in extra[v])  # noqa: E731
+            print(f"  {v:<28}{spread(runs[v]):>22} tok/s  vs L=0 {spread(ratio):>18} | demand misses/tok "
+                  f"{med('misses_per_token'):.2f} | MB/tok {med('mb_per_token'):.4f}")
+        out[label] = {"tok_s": runs, "detail": extra}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -273,8 +316,13 @@ def main():
     ap.add_argument("--record-tokens", type=int, default=200, help="tokens per prompt of the recorded decode workload")
     ap.add_argument("--skip-live", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--spec", action="store_true", help="only the speculative comparison (spmoe + lookahead)")
     args = ap.parse_args()
     result = {}
+    if args.spec:
+        result["speculative"] = part_spec(args.repeats, args.tokens, [0.0, 1.0])
+        print(json.dumps(result, default=lambda o: str(o)))
+        return
     if not args.skip_replay:
         result["trace"] = part_trace()
         result["lookahead_replay"] = part_lookahead(args.record_tokens)
