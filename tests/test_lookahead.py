@@ -81,7 +81,11 @@ def test_lookahead_prefetch_is_lossless_and_reads_ahead(tiny_dirs):
         assert tokens == expected
         assert hook.stats.forecasts > 0 and hook.stats.queued_bytes > 0
         assert stats.prefetch_reads_per_token > 0
-        assert stats.prefetch_used_per_token + stats.prefetch_wasted_per_token <= stats.prefetch_reads_per_token + 1e-9
+        # Each prefetched slot is used at most once or wasted at most once (decode-only per-token figures may
+        # count a prefill prefetch wasted later, so the check is on the run's totals against what was queued).
+        c = om.counters()
+        expert_bytes = om.store.layout(om.moe_layers[0]).expert_bytes
+        assert 0 < (c["prefetch_hits"] + c["prefetch_wasted"]) * expert_bytes <= hook.stats.queued_bytes
         assert 0 < hook.stats.by_distance[1].recall <= 1
         assert om.set_lookahead(0) is None and all(m.lookahead is None for m in om.modules.values())
     finally:
