@@ -158,13 +158,14 @@ def _weights_bytes(path: str | Path) -> int:
 def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 256, *, temp: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                     one_sync: str = "auto", progress=None, prompt_cache=None,
-                    kv_bits: int | None = None) -> Iterator[GenerationResponse]:
+                    kv_bits: int | None = None, warm: str | None = None) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per emitted token; the last has finish_reason set. `progress`
     (a runtime.observe.PrefillProgress) shows the prompt's processing; the last response's
     detail.prefill says what it cost (tokens/s, bytes read, reads per routed expert). `prompt_cache`
     (runtime.decode.PromptCache, plain decoding only) keeps a conversation's KV cache and state: a
     prompt that extends what it holds prefills only the new tokens. `kv_bits` (plain decoding) quantizes the
-    KV cache as mlx-lm does."""
+    KV cache as mlx-lm does. `warm`: a routing trace or expert-counts JSON to fill a partial cache from
+    before decoding (a full budget always is)."""
     om, tokenizer = engine.model, engine.tokenizer
     if isinstance(prompt, str):  # as mlx-lm: no second BOS when the prompt already starts with one
         bos = getattr(tokenizer, "bos_token", None)
@@ -184,7 +185,8 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
     if engine.draft is None:
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         tokens = stream_tokens(om.model, ids, max_tokens=max_tokens, eos_ids=eos, om=om, one_sync=one_sync,
-                               sampler=sampler, progress=progress, prompt_cache=prompt_cache, kv_bits=kv_bits)
+                               sampler=sampler, progress=progress, prompt_cache=prompt_cache, kv_bits=kv_bits,
+                               warm=warm)
     else:
         if temp > 0 and (top_k > 0 or min_p > 0):
             raise ValueError("top_k / min_p with a drafter at temp > 0: not supported yet; use top_p, or no drafter")
@@ -195,7 +197,7 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
                                       draft_model=engine._draft_model, draft_config=engine._draft_config,
                                       one_sync=one_sync, forecast_k=d.forecast_k,
                                       max_prefetch_bytes=d.max_prefetch_bytes, adaptive_k=d.adaptive_k,
-                                      lookahead=d.lookahead, lookahead_experts=d.lookahead_experts)
+                                      lookahead=d.lookahead, lookahead_experts=d.lookahead_experts, warm=warm)
         tokens = decoder.stream(ids, max_tokens, eos, progress=progress)
     try:
         yield from _responses(tokens, tokenizer, om, decoder, len(ids), max_tokens, eos)

@@ -63,9 +63,11 @@ def test_a_missing_expert_never_becomes_slot_minus_one(packed_dirs):
         assert cache.slot_ids(layer, np.array([[1, 2]])).min() >= 0
         with pytest.raises(RuntimeError, match=r"non-resident experts \[7\]"):
             cache.slot_ids(layer, np.array([[1, 7]]))  # -1 would be an out-of-bounds uint32 gather index
-        with pytest.raises(RuntimeError, match="not resident"):
-            cache.record_resident_use(layer, np.array([1, 7]))
         ls = cache.table.layers[layer]
+        # The device lookup table never says -1 either: an absent expert's code is n_slots + expert,
+        # flagged by the device pass and clamped into range before any gather.
+        codes = np.array(cache.device_tables[layer])[[1, 2, 7]]
+        assert codes[:2].tolist() == cache.slot_ids(layer, np.array([1, 2])).tolist() and codes[2] == 4 + 7
         assert (ls.pins == 0).all() and cache.table.state_of(ExpertKey(layer, 7)) == FREE
     finally:
         loader.close()

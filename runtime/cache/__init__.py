@@ -5,8 +5,12 @@ by the storage loader, pins, budget), `CachedSwitchGLU` (the drop-in for mlx-lm'
 reads the slabs), memory budgets (`--budget`) and the `MemoryGovernor` that shrinks the cache under
 memory pressure.
 
-Invariants kept at this boundary: a slot that a not-yet-evaluated graph reads is pinned and never
-overwritten; a failed or corrupt read never leaves a slot valid; the slabs never exceed the budget.
+Per MoE layer the cache also keeps a persistent device-side expert -> slot table (`device_tables`,
+updated one entry per commit or eviction) that device passes look slots up in without a host sync
+(runtime/cache/resident_tables.py).
+
+Invariants kept at this boundary: a slot that a not-yet-evaluated graph reads is pinned (synced
+path) or held (device passes) and never overwritten; a failed or corrupt read never leaves a slot valid; the slabs never exceed the budget.
 """
 
 from runtime.cache.budget import (

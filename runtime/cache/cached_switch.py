@@ -15,9 +15,14 @@ Invariants:
   experts to read, runs expert-major (runtime/cache/expert_major.py): each unique expert
   read once, reads overlapping compute. Other calls too large for the slots would be
   split into token groups that each fit (split_by_capacity).
-- A normal call reads the router's choice back to the host (one sync per MoE layer);
-  inside an OneSyncPass the lookup happens on the device and the pass syncs once. A
+- A normal call reads the router's choice back to the host (one sync per MoE layer); a
   lookahead forecast of later layers, if attached, is evaluated in that same sync.
+- Inside a device pass (runtime/decode/device_pass.py), a call whose tokens x k fit the
+  layer's usable slots (and that has no lookahead attached) maps the router's ids through the
+  cache's persistent device table (expert -> slot, or n_slots + expert when absent) on the
+  device: no host sync, no Python per expert; an absent expert reads the last slot and is
+  flagged (its code >= n_slots) for the pass to repair. The pass holds the layer (no
+  eviction) until it evaluated the forward.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
   else the stock SwitchGLU, as single tokens do.
@@ -61,22 +66,27 @@ class CachedSwitchGLU(nn.Module):
         self.cache = cache
         self.observer = observer  # if set: observer(layer, expert_ids (N, k)) on every call (the decoder's)
         self.telemetry = None  # if set: telemetry.on_call(layer, expert_ids (N, k), [CallStats per group])
-        self.one_sync = None  # an OneSyncPass while one runs: no host sync here (runtime/decode/one_sync.py)
         self.lookahead = None  # if set: a LookaheadPrefetch (runtime/decode/lookahead_prefetch.py)
         # like: the stock expert module being replaced; the slab module runs its class (runtime/cache/slab_switch.py)
         self.switch = slab_switch_glu(layout, cache.slabs[layer], activation, like=like)
-        self._pending: list[tuple[mx.array, np.ndarray]] = []
+        # Plain attributes, not module state (nn.Module keeps lists and arrays in its dict, behind a slower
+        # lookup, and would walk them as parameters): the hit path reads them on every call.
+        object.__setattr__(self, "_pending", [])  # (output, pinned slots) of synced calls not yet evaluated
+        object.__setattr__(self, "_table", cache.device_tables[layer])  # persistent: updated in place
+        object.__setattr__(self, "_last_slot", mx.array(cache.n_slots(layer) - 1, mx.uint32))
+        object.__setattr__(self, "_switch", self.switch)
 
     def release(self) -> None:
         """Evaluate this module's pending outputs and unpin their slots (between generations)."""
-        self._release()
+        self.release_pending()
 
-    def _release(self) -> None:
+    def release_pending(self) -> None:
+        """Evaluate this module's pending synced outputs and unpin their slots."""
         if self._pending:
             mx.eval([out for out, _ in self._pending])
             for _, slots in self._pending:
                 self.cache.unpin(self.layer, slots)
-            self._pending = []
+            self._pending.clear()
 
     def _run(self, x: mx.array, ids: np.ndarray, calls: list) -> mx.array:
         unique = np.unique(ids)
@@ -94,24 +104,44 @@ class CachedSwitchGLU(nn.Module):
         self._pending.append((out, slots))
         return out
 
+    @property
+    def device(self):
+        """The device pass building a forward now (cache.active_pass), or None: one switch for all layers."""
+        return self.cache.active_pass
+
+    def lookup(self, x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
+        """The call with slots looked up on the device: (output, codes: slot, or n_slots + expert if absent)."""
+        codes = self._table[indices]
+        safe = mx.minimum(codes, self._last_slot)  # absent: any slot; the pass recomputes then
+        if indices.size > indices.shape[-1]:  # a window of several tokens
+            return window_switch_glu(self._switch, x, safe), codes
+        return self._switch(x, safe), codes
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        self._release()
-        if self.one_sync is not None:
-            return self.one_sync.layer_call(self, x, indices)
+        if self._pending:
+            self.release_pending()
+        device = self.cache.active_pass
+        if device is not None and self.layer in device.lookup_layers:
+            out, slots = self.lookup(x, indices)
+            device.record(self.layer, indices, slots)
+            return out
         self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
         ahead = self.lookahead.start(self.layer, x) if self.lookahead is not None else None
         if ahead:
             mx.eval(indices, [top for _, top in ahead])  # the forecast of later layers rides on this sync
         ids = np.array(indices)  # host sync: which experts this call needs
+        self.cache.host_syncs += 1
         if self.lookahead is not None:
             self.lookahead.finish(self.layer, ahead, ids)  # queues its prefetches before our demand reads
-        if self.observer is not None:
+        if self.observer is not None and device is None:
             self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))
         k = ids.shape[-1]
         flat = ids.reshape(-1, k)
         if wants_expert_major(self.cache, self.layer, flat):  # prefill: each expert read once (expert_major.py)
             out, calls = expert_major_call(self.cache, self.layer, self.switch, x, ids)
-            if self.telemetry is not None:
+            if device is not None:
+                device.record_synced(self.layer, flat, calls)
+            elif self.telemetry is not None:
                 self.telemetry.on_call(self.layer, flat, calls)
             return out
         groups = split_by_capacity(flat, self.cache.usable_slots(self.layer))
@@ -124,8 +154,10 @@ class CachedSwitchGLU(nn.Module):
             outs = []
             for g in groups:
                 outs.append(self._run(xf[g], flat[g], calls))
-                self._release()  # the next group may evict these slots
+                self.release_pending()  # the next group may evict these slots
             out = mx.concatenate(outs, axis=0).reshape(*lead, k, D)
-        if self.telemetry is not None:
+        if device is not None:
+            device.record_synced(self.layer, flat, calls)  # the pass books it with the accepted forward
+        elif self.telemetry is not None:
             self.telemetry.on_call(self.layer, flat, calls)
         return out

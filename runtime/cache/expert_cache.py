@@ -32,23 +32,32 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.cache.cache_stats import CallStats, ResizeStats
-from runtime.cache.slab import allocate_slab, release_pages
+from runtime.cache.resident_tables import ResidentTables
+from runtime.cache.slab import allocate_slab, allocate_table, release_pages
 from runtime.cache.slot_table import FREE, LOADING, VALID, SlotTable
 from storage import AsyncLoader, ExpertKey, LayerLayout
 from storage.loader import DEMAND, PREFETCH, LoadTicket
 
 
 
-class ExpertCache:
-    """Budgeted per-layer expert slots backed by MLX slabs."""
+class ExpertCache(ResidentTables):
+    """Budgeted per-layer expert slots backed by MLX slabs (device lookup: runtime/cache/resident_tables.py)."""
 
     def __init__(self, layouts: dict[int, LayerLayout], slots: dict[int, int], loader: AsyncLoader, policy: str = "lru",
                  min_usable: int = 1):
         self.layouts = layouts
         self.loader = loader
-        self.table = SlotTable({l: lay.n_experts for l, lay in layouts.items()}, slots, policy)
+        self.device_tables: dict[int, mx.array] = {}  # layer -> expert -> slot if valid, else n_slots + expert
+
+        def resident(layer: int, codes: np.ndarray) -> np.ndarray:
+            self.device_tables[layer], host = allocate_table(codes)
+            return host
+
+        self.table = SlotTable({l: lay.n_experts for l, lay in layouts.items()}, slots, policy, resident)
         self.min_usable = min_usable  # resizing never goes below this (the model's top-k: one token's experts)
         self.resize_stats = ResizeStats()
+        self.host_syncs = 0  # router read-backs and device-pass syncs, counted by the callers that make them
+        self.active_pass = None  # the device pass building a forward now: its modules look slots up on the device
         self._lock = threading.RLock()
         self._protected: dict[ExpertKey, int] = {}  # forecast experts pinned until their layer is verified
         self._tickets: dict[ExpertKey, LoadTicket] = {}  # the read filling each loading slot
@@ -69,6 +78,14 @@ class ExpertCache:
     # -- facts -----------------------------------------------------------------------
     def n_slots(self, layer: int) -> int:
         return self.table.layers[layer].n_slots
+
+    def usable_now(self) -> dict[int, int]:
+        """Usable slots of every layer, applying pending resizes (one lock round trip when there are some)."""
+        if self._pending_usable:
+            with self._lock:
+                for layer in list(self._pending_usable):
+                    self.usable_slots(layer)
+        return {l: ls.usable for l, ls in self.table.layers.items()}
 
     def usable_slots(self, layer: int) -> int:
         """Slots a call of `layer` may fill. A pending resize of the layer takes effect here."""
@@ -319,7 +336,7 @@ class ExpertCache:
                     self.table.unpin(layer, pinned)
             raise
 
-    # -- one_sync passes (runtime/decode/one_sync.py) --------------------------------------------
+    # -- settling -------------------------------------------------------------------------
     def settle_inflight(self) -> float:
         """Wait for every read in flight or queued (prefetches) so their slots count as
         resident; returns the ms spent waiting. Failed prefetches are not errors here."""
@@ -341,42 +358,6 @@ class ExpertCache:
         with self._lock:
             for layer in self.table.layers:
                 self.table.clear(layer)
-
-    def freeze_resident(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Pin every valid slot and return, per layer, (expert -> slot or -1 table, pinned slots).
-
-        While frozen no valid slot can be evicted, so a graph built from the tables reads
-        exactly the experts they name; thaw() with the returned value ends it.
-        """
-        out = {}
-        with self._lock:
-            for layer, ls in self.table.layers.items():
-                valid = np.flatnonzero(ls.state == VALID)
-                self.table.pin(layer, valid)
-                table = np.full(ls.expert_to_slot.shape, -1, np.int32)
-                table[ls.slot_to_expert[valid]] = valid
-                out[layer] = (table, valid)
-        return out
-
-    def thaw(self, frozen: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-        with self._lock:
-            for layer, (_, pinned) in frozen.items():
-                self.table.unpin(layer, pinned)
-                self._settle_beyond(layer)
-
-    def record_resident_use(self, layer: int, experts: np.ndarray) -> CallStats:
-        """The bookkeeping of a call whose experts (unique ids) were all resident and frozen:
-        hits, recency and prefetch use, as ensure() records them, with nothing read."""
-        with self._lock:
-            ls = self.table.layers[layer]
-            used_before = ls.stats.prefetch_hits
-            present, absent, pinned = self.table.request(layer, experts)
-            for e in absent:
-                self.table.abort(ExpertKey(layer, e))
-            self.table.unpin(layer, pinned)
-            if absent:
-                raise RuntimeError(f"layer {layer}: record_resident_use() of experts {absent} that were not resident")
-            return CallStats(len(present), 0, ls.stats.prefetch_hits - used_before, 0, 0.0)
 
     def unpin(self, layer: int, slots) -> None:
         with self._lock:

@@ -78,3 +78,14 @@ def allocate_slab(n_slots: int, shape: tuple[int, ...], dtype: str) -> tuple[mx.
     if not (host.flags.writeable and host.flags.c_contiguous):
         raise RuntimeError(f"slab {full} {dtype}: MLX returned a host view that is not writable and contiguous")
     return slab, host.reshape(n_slots, -1).view(np.uint8)
+
+
+def allocate_table(values: np.ndarray) -> tuple[mx.array, np.ndarray]:
+    """An evaluated MLX vector holding `values` (its dtype), and a writable numpy view of it (the
+    device-side expert -> slot lookup of a layer, runtime/cache/resident_tables.py)."""
+    table = mx.array(values)
+    mx.eval(table)
+    host = np.asarray(table)
+    if not (host.flags.writeable and host.flags.c_contiguous):
+        raise RuntimeError("MLX did not give a writable contiguous host view of a slot table")
+    return table, host

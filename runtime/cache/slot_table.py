@@ -13,6 +13,13 @@ shrink by the memory governor) hold at most experts still pinned or loading.
 Violations (reserving a key that has a slot, committing one that is not loading,
 unpinning a slot more often than it was pinned) raise RuntimeError: these checks
 guard memory safety and must hold under `python -O` too.
+`resident` is the device lookup code of each expert: its slot if valid, else the absent
+code n_slots + expert (so a lookup both finds the slot and, being >= n_slots, flags the
+absence and names the expert). It changes when a load commits (absent -> slot) and when an
+expert is evicted or dropped (slot -> absent), never otherwise, so ExpertCache can hand it to
+the device as the lookup table of lazily built forwards. While a layer is held (a forward
+that looks slots up on the device is pending), no valid expert of it is evicted or trimmed:
+reserve() only takes free slots.
 Not thread-safe by itself: ExpertCache serialises access with its lock.
 """
 
@@ -41,25 +48,41 @@ class LayerCacheStats:
 
 
 class LayerSlots:
-    def __init__(self, n_experts: int, n_slots: int, policy: str):
+    def __init__(self, n_experts: int, n_slots: int, policy: str, resident: np.ndarray | None = None):
         self.n_slots = n_slots
+        # device lookup codes: slot of a valid expert, else n_slots + expert; may be a view of a device array
+        self.resident = self.absent_codes(n_experts, n_slots) if resident is None else resident
+        self.held = 0  # pending device-lookup forwards reading this layer: no valid slot may be evicted
         self.expert_to_slot = np.full(n_experts, -1, np.int32)
         self.slot_to_expert = np.full(n_slots, -1, np.int32)
         self.state = np.zeros(n_slots, np.int8)
         self.pins = np.zeros(n_slots, np.int32)
         self.prefetched = np.zeros(n_slots, bool)  # filled by a prefetch, not yet used
+        self.ever_prefetched = False  # any prefetch reserved here yet (lets record_use skip the flags)
         self.policy = make_policy(policy, n_slots)
         self.stats = LayerCacheStats()
         self.usable = n_slots  # slots [0, usable) may be filled (memory governor shrinks it)
 
+    @staticmethod
+    def absent_codes(n_experts: int, n_slots: int) -> np.ndarray:
+        return (n_slots + np.arange(n_experts)).astype(np.uint32)
+
+    def is_absent(self, experts) -> np.ndarray:
+        """Per expert: no valid slot (what a device lookup flags)."""
+        return self.resident[experts] >= self.n_slots
+
 
 class SlotTable:
-    def __init__(self, n_experts: dict[int, int], slots: dict[int, int], policy: str = "lru"):
+    def __init__(self, n_experts: dict[int, int], slots: dict[int, int], policy: str = "lru", resident=None):
+        """`resident(layer, codes)`, if given, returns an array holding `codes` (uint32, all absent) to keep
+        each layer's lookup codes in (ExpertCache passes views of device arrays)."""
         for layer, n in slots.items():
             if n < 1:
                 raise ValueError(f"layer {layer}: {n} slots; at least 1 is needed")
         self.policy_name = policy
-        self.layers = {layer: LayerSlots(n_experts[layer], slots[layer], policy) for layer in slots}
+        self.layers = {layer: LayerSlots(n_experts[layer], slots[layer], policy, None if resident is None else
+                                         resident(layer, LayerSlots.absent_codes(n_experts[layer], slots[layer])))
+                       for layer in slots}
 
     def slot_of(self, key: ExpertKey) -> int:
         return int(self.layers[key.layer].expert_to_slot[key.expert])
@@ -116,15 +139,20 @@ class SlotTable:
         ls = self.layers[key.layer]
         if ls.expert_to_slot[key.expert] >= 0:
             raise RuntimeError(f"reserve({key}): the expert already has slot {int(ls.expert_to_slot[key.expert])}")
-        free = [s for s in range(ls.usable) if ls.state[s] == FREE]
-        if free:
-            slot = free[0]
+        state = ls.state[: ls.usable]
+        free = np.flatnonzero(state == FREE)
+        if len(free):
+            slot = int(free[0])
         else:
-            candidates = [s for s in range(ls.usable) if ls.state[s] == VALID and ls.pins[s] == 0]
+            if ls.held:
+                return None  # a pending forward may read any valid slot of this layer
+            candidates = np.flatnonzero((state == VALID) & (ls.pins[: ls.usable] == 0)).tolist()
             if not candidates:
                 return None
             slot = ls.policy.victim(candidates)
-            ls.expert_to_slot[ls.slot_to_expert[slot]] = -1
+            old = ls.slot_to_expert[slot]
+            ls.expert_to_slot[old] = -1
+            ls.resident[old] = ls.n_slots + old
             ls.stats.evictions += 1
             if ls.prefetched[slot]:
                 ls.stats.prefetch_wasted += 1
@@ -132,6 +160,7 @@ class SlotTable:
         ls.expert_to_slot[key.expert] = slot
         ls.state[slot] = LOADING
         ls.prefetched[slot] = prefetch
+        ls.ever_prefetched |= prefetch
         ls.policy.on_insert(slot, key.expert, prefetch)
         return slot
 
@@ -141,6 +170,7 @@ class SlotTable:
         if slot < 0 or ls.state[slot] != LOADING:
             raise RuntimeError(f"commit({key}): the expert is not loading (slot {int(slot)})")
         ls.state[slot] = VALID
+        ls.resident[key.expert] = slot
         if ls.prefetched[slot]:
             ls.stats.prefetch_loaded += 1
 
@@ -152,6 +182,7 @@ class SlotTable:
         if cancelled and ls.prefetched[slot]:
             ls.stats.prefetch_cancelled += 1
         ls.expert_to_slot[key.expert] = -1
+        ls.resident[key.expert] = ls.n_slots + key.expert
         ls.slot_to_expert[slot] = -1
         ls.state[slot] = FREE
         ls.prefetched[slot] = False
@@ -181,10 +212,14 @@ class SlotTable:
     def trim(self, layer: int) -> int:
         """Evict valid, unpinned experts living in slots >= usable; returns how many."""
         ls = self.layers[layer]
+        if ls.held:
+            return 0  # a pending forward may read them; trimmed at the next settle
         beyond = np.arange(ls.usable, ls.n_slots)
         gone = beyond[(ls.state[beyond] == VALID) & (ls.pins[beyond] == 0)]
         for slot in gone:
-            ls.expert_to_slot[ls.slot_to_expert[slot]] = -1
+            old = ls.slot_to_expert[slot]
+            ls.expert_to_slot[old] = -1
+            ls.resident[old] = ls.n_slots + old
             ls.slot_to_expert[slot] = -1
             ls.state[slot] = FREE
             if ls.prefetched[slot]:
@@ -197,13 +232,40 @@ class SlotTable:
         """Forget every expert of `layer`, as freshly built (stats are kept). Raises if a slot
         is pinned or loading: its reader or its read still needs it."""
         ls = self.layers[layer]
-        if (ls.pins > 0).any() or (ls.state == LOADING).any():
+        if (ls.pins > 0).any() or (ls.state == LOADING).any() or ls.held:
             raise RuntimeError(f"layer {layer}: cannot clear while slots are pinned or loading")
         ls.expert_to_slot[:] = -1
         ls.slot_to_expert[:] = -1
         ls.state[:] = FREE
         ls.prefetched[:] = False
+        ls.resident[:] = LayerSlots.absent_codes(len(ls.resident), ls.n_slots)  # in place: it is the device table
         ls.policy = make_policy(self.policy_name, ls.n_slots)
+
+    def record_use(self, layer: int, experts: np.ndarray, loaded: int = 0, reads: int | None = None) -> tuple[int, int]:
+        """The bookkeeping of a call whose unique `experts` were all valid when it ran, `loaded` of them
+        read for it on demand, out of `reads` demand reads made for it (default `loaded`; a repair may
+        read experts the recomputed call did not use: they count as misses too, as their bytes were
+        read): recency, hits/misses, prefetch use. Returns (hits, prefetch hits).
+        Runs once per layer per token on a handful of ids: two numpy ops, no per-expert numpy."""
+        ls = self.layers[layer]
+        slots = ls.expert_to_slot[experts]
+        on_access = ls.policy.on_access
+        for slot in slots.tolist():
+            if slot >= 0:  # < 0: evicted since the call ran (after its forward was released)
+                on_access(slot)
+        used = 0
+        if ls.ever_prefetched:
+            flags = ls.prefetched[slots]
+            if flags.any():
+                hit = slots[flags & (slots >= 0)]
+                ls.prefetched[hit] = False
+                used = len(hit)
+        hits = len(experts) - loaded
+        st = ls.stats
+        st.hits += hits
+        st.misses += loaded if reads is None else reads
+        st.prefetch_hits += used
+        return hits, used
 
     def valid_count(self, layer: int) -> int:
         return int((self.layers[layer].state == VALID).sum())

@@ -39,7 +39,8 @@ def spec_line(stats, prefetch_layers) -> str:
             f"{c['misses'] / n:.2f} misses/token | {expert_bytes / 1e6 / n:.3f} MB read/token | "
             f"prefetch used {c['prefetch_hits']} / wasted {c['prefetch_wasted'] + c['prefetch_cancelled']} experts | "
             f"forecast recall {stats.recall(prefetch_layers or None):.0%} | "
-            f"one-sync verifies {stats.one_sync_tries - stats.one_sync_fallbacks}/{stats.n_rounds} | "
+            f"one-sync verifies {stats.one_sync_tries - stats.one_sync_fallbacks}/{stats.n_rounds}, "
+            f"{stats.host_syncs / max(1, stats.n_rounds):.2f} host syncs/round, {stats.repairs} repairs | "
             f"mean K {stats.mean_k:.1f}, {stats.n_plain_rounds}/{stats.n_rounds} plain rounds")
 
 
@@ -104,8 +105,11 @@ def register(app: typer.Typer) -> None:
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
         one_sync: str = typer.Option("auto", "--one-sync",
-                                       help="Run a decode step or verify pass with one host sync when its experts "
-                                            "are resident: auto (when its measured saving beats its failures), on, off."),
+                                       help="Decode steps and verify passes look experts up on the device with one host "
+                                            "sync, repaired when one was absent: auto/on; off: one sync per MoE layer."),
+        warm: Path = typer.Option(None, "--warm", help="Warm start below a full budget: fill the cache before decoding with "
+                                                        "the most used experts of a routing trace (.smtrace) or a JSON of "
+                                                        "expert_counts (a full budget always reads every expert first)."),
         policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru (default: tuned, else dlfu)."),
         lookahead: int = typer.Option(None, "--lookahead", min=0,
                                       help="Prefetch each MoE layer's experts forecast from the layer this many MoE layers "
@@ -153,6 +157,8 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"--kv-bits {kv_bits}; expected 4 or 8 (mlx-lm also takes 2, 3, 5, 6)")
+        if warm is not None and not warm.is_file():
+            raise ValueError(f"--warm {warm}: no such file; expected a routing trace (.smtrace) or a JSON of expert_counts")
         engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,
                       threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
                       projection=projection, forecast_k=forecast_k,
@@ -173,7 +179,8 @@ def register(app: typer.Typer) -> None:
                 pc, ids = open_prompt_cache(prompt_cache_file, om, ids, speculative=engine.draft is not None)
             for r in stream_generate(engine, ids, max_tokens, temp=temp, top_p=top_p,
                                      top_k=top_k, min_p=min_p, seed=seed, one_sync=one_sync,
-                                     progress=PrefillProgress(len(ids)), prompt_cache=pc, kv_bits=kv_bits):
+                                     progress=PrefillProgress(len(ids)), prompt_cache=pc, kv_bits=kv_bits,
+                                     warm=None if warm is None else str(warm)):
                 tokens.append(r.token)
                 sys.stdout.write(r.text)
                 sys.stdout.flush()

@@ -1,8 +1,8 @@
 """runtime.decode: turning an offloaded model into tokens, plainly or speculatively.
 
 Owns: `OffloadedModel` (an mlx-lm model whose routed experts are paged through `runtime.cache`),
-the supported families, plain generation, the one-sync pass (a forward that reads routing back to
-the host once), the drafter and its hidden-state taps, drafter/target pairing, sampling and
+the supported families, plain generation, the device pass (a forward whose expert lookups run on the
+device: one host sync, repaired from the first layer that missed), the drafter and its hidden-state taps, drafter/target pairing, sampling and
 acceptance rules, and `SpeculativeDecoder` (draft -> forecast -> prefetch -> verify -> accept ->
 rewind).
 
@@ -15,7 +15,8 @@ from runtime.decode.drafter import DraftResult, Drafter, ModelDrafter
 from runtime.decode.families import check_supported, text_config, top_k
 from runtime.decode.moe_blocks import describe_expert_module, find_expert_modules, lazy_structure, match_expert_modules
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.decode.one_sync import OneSyncModel, OneSyncPass
+from runtime.decode.device_pass import DevicePass, PassStats
+from runtime.decode.offloaded_step import offloaded_generate_step
 from runtime.decode.pairing import default_projection_path, load_drafter, make_drafter
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.prompt_cache import PromptCache
@@ -28,8 +29,8 @@ from runtime.decode.taps import HiddenTaps
 __all__ = [
     "describe_expert_module", "find_expert_modules", "lazy_structure", "match_expert_modules",
     "DraftResult", "Drafter", "ModelDrafter", "check_supported", "text_config", "top_k", "OffloadConfig",
-    "OffloadedModel", "OneSyncModel", "OneSyncPass", "default_projection_path", "load_drafter", "make_drafter",
-    "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens", "SpecConfig",
-    "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter", "stream_tokens",
-    "HiddenTaps", "accept_greedy", "accept_sampled", "probabilities",
+    "OffloadedModel", "DevicePass", "PassStats", "offloaded_generate_step", "default_projection_path", "load_drafter",
+    "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens",
+    "SpecConfig", "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter",
+    "stream_tokens", "HiddenTaps", "accept_greedy", "accept_sampled", "probabilities",
 ]

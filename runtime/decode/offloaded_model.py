@@ -27,6 +27,7 @@ from runtime.cache import DEFAULT_POLICY, BudgetPlan, kv_bytes_estimate, parse_b
 from runtime.cache import CachedSwitchGLU
 from runtime.cache import ExpertCache
 from runtime.decode.families import check_supported, top_k
+from runtime.decode.layer_replay import LayerReplay
 from runtime.decode.moe_blocks import block_info, match_expert_modules
 from runtime.cache import GovernorConfig, MemoryGovernor
 from runtime.cache import DEFAULT_PREFILL_STEP, ContextGovernor, apply_memory_limit, process_rss
@@ -104,6 +105,12 @@ class OffloadedModel:
         self.lookahead = None  # the attached LookaheadPrefetch (set_lookahead), if any
         for m in modules.values():
             m.telemetry = telemetry
+        # Device passes (runtime/decode/device_pass.py) recompute from a decoder layer after a miss.
+        self.decoder_index = self._decoder_index()  # MoE layer -> index in model.layers (= prompt cache index)
+        self.replay = LayerReplay(model.layers)
+        # Called with {MoE layer: expert ids (tokens, k)} after each accepted device-pass forward, when no
+        # forward is pending (a lookahead forecaster queues prefetches there; runtime/decode/device_pass.py).
+        self.forward_hooks: list = []
 
     @classmethod
     def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
@@ -179,6 +186,17 @@ class OffloadedModel:
         for name, _ in tree_flatten(model.parameters()):
             if not name.startswith(prefixes) and name not in have:
                 raise StoreError(store.model_dir, "missing weight (the checkpoint does not match config.json)", tensor=name)
+
+    def _decoder_index(self) -> dict[int, int]:
+        position = {id(layer): i for i, layer in enumerate(self.model.layers)}
+        out = {}
+        for layer in self.modules:
+            path = self.store.layout(layer).prefix.rpartition(".")[0].rpartition(".")[0]  # "...layers.3"
+            i = position.get(id(get_module(self.model, path)))
+            if i is None:
+                raise StoreError(self.store.model_dir, "MoE block is not inside one of model.layers", tensor=path)
+            out[layer] = i
+        return out
 
     @property
     def moe_layers(self) -> list[int]:

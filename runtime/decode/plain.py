@@ -1,9 +1,10 @@
 """Plain (non-speculative) generation on an OffloadedModel, with the stats we report.
 
-The decode loop is mlx-lm's own `generate_step` (it pipelines step n+1 with
-`async_eval` before yielding token n); we only read the cache and loader
-counters around it, and hand it the model wrapped in a OneSyncModel so a step whose
-experts are all resident costs one host sync instead of one per MoE layer. Prefill
+The decode loop is offloaded_generate_step: mlx-lm's generate_step (step n+1 queued with
+`async_eval` before token n is yielded) with each step a DevicePass forward -- expert lookups
+on the device, one host sync per token, repaired from the first layer that missed when an
+expert was absent. `one_sync="off"` runs mlx-lm's own generate_step on the synced path (one
+host sync per MoE layer) instead. Before the prefill the cache is warmed (runtime/decode/warm.py). Prefill
 and decode are reported separately because prefill misses say nothing about
 steady-state paging.
 """
@@ -20,7 +21,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from runtime.cache import DEFAULT_PREFILL_STEP
+from runtime.decode.device_pass import DevicePass
+from runtime.decode.offloaded_step import offloaded_generate_step
 from runtime.decode.prefill import PrefillMeter, PrefillStats
+from runtime.decode.warm import warm_start
 
 
 @dataclass
@@ -37,8 +41,12 @@ class GenerationStats:
     bytes_read: int  # all bytes read (prefill + decode)
     load_wait_ms: float  # time the model waited for demand loads
     peak_memory_bytes: int  # MLX allocator peak during the run
-    one_sync_tries: int = 0  # decode steps tried with one host sync (runtime/decode/one_sync.py)
-    one_sync_fallbacks: int = 0  # of those, steps that met an absent expert and ran again normally
+    one_sync_tries: int = 0  # forwards run as device passes (runtime/decode/device_pass.py)
+    one_sync_fallbacks: int = 0  # of those, forwards that needed more than one host sync (a repair)
+    host_syncs_per_token: float = 0.0  # decode: host syncs per generated token (1.0: stock mlx-lm's)
+    repairs_per_token: float = 0.0  # decode: recomputations after absent experts per generated token
+    wasted_reads: int = 0  # experts read by repairs that the repaired forward did not use
+    bookkeeping_us_per_layer_call: float = 0.0  # host bookkeeping per MoE layer call (off the critical path)
     prefill: PrefillStats | None = None  # the prompt: tokens/s, reads, bytes, reads per routed expert
     prefetch_reads_per_token: float = 0.0  # decode: experts read because a forecast (lookahead) named them
     prefetch_used_per_token: float = 0.0  # decode: of those, used by a call
@@ -50,26 +58,30 @@ class GenerationStats:
                 + (f"prefetch {self.prefetch_reads_per_token:.2f}/token (used {self.prefetch_used_per_token:.2f}, "
                    f"wasted {self.prefetch_wasted_per_token:.2f}) | " if self.prefetch_reads_per_token else "") +
                 f"prompt {self.n_prompt_tokens} tok, generated {self.n_tokens} tok | "
-                f"one-sync steps {self.one_sync_tries - self.one_sync_fallbacks}/{self.one_sync_tries}")
+                f"{self.host_syncs_per_token:.2f} host syncs/token, {self.repairs_per_token:.2f} repairs/token")
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def _counters(om) -> dict:
-    return om.counters() if om is not None else {"hits": 0, "misses": 0, "bytes_read": 0, "load_wait_ms": 0.0,
-                                                 "prefetch_loaded": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
+def _counters(om, dp=None) -> dict:
+    c = om.counters() if om is not None else {"hits": 0, "misses": 0, "bytes_read": 0, "load_wait_ms": 0.0,
+                                              "prefetch_loaded": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
+    c["host_syncs"] = om.cache.host_syncs if om is not None else 0
+    c["repairs"] = dp.stats.repairs if dp is not None else 0
+    return c
 
 
 def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
                     eos_ids=(), om=None, on_token: Callable[[int], None] | None = None,
                     one_sync: str = "auto", sampler=None, progress=None,
-                    prompt_cache=None, kv_bits: int | None = None) -> tuple[list[int], GenerationStats]:
+                    prompt_cache=None, kv_bits: int | None = None,
+                    warm: str | None = None) -> tuple[list[int], GenerationStats]:
     """All of stream_tokens at once: (tokens, stats); on_token(token) is called as each arrives."""
     tokens: list[int] = []
     run = stream_tokens(model, prompt_ids, max_tokens=max_tokens, temp=temp, top_p=top_p, eos_ids=eos_ids, om=om,
                         one_sync=one_sync, sampler=sampler, progress=progress, prompt_cache=prompt_cache,
-                        kv_bits=kv_bits)
+                        kv_bits=kv_bits, warm=warm)
     while True:
         try:
             token = next(run)
@@ -82,11 +94,15 @@ def generate_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: floa
 
 def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
                   eos_ids=(), om=None, one_sync: str = "auto", sampler=None,
-                  progress=None, prompt_cache=None, kv_bits: int | None = None) -> Generator[int, None, GenerationStats]:
+                  progress=None, prompt_cache=None, kv_bits: int | None = None,
+                  warm: str | None = None) -> Generator[int, None, GenerationStats]:
     """Yield up to `max_tokens` token ids after `prompt_ids`; the generator returns the run's stats.
 
     `om` (an OffloadedModel) supplies paging counters and, unless one_sync is "off", its decode steps
-    are tried with one host sync (OneSyncModel; "auto" backs off while they fail, "on" always tries).
+    run as device passes (one host sync per token, repaired when an expert was absent; "auto" and "on"
+    are the same). Before the prefill the cache is warmed: every expert when the budget holds them all,
+    else the most used per `warm` (a routing trace or expert counts); decoding starts once those reads
+    are in.
     `sampler` (mlx-lm's make_sampler) overrides temp/top_p. `progress` (a PrefillProgress) shows the
     prompt's processing; the stats' `prefill` says what it cost (runtime/decode/prefill.py).
     `prompt_cache` (a PromptCache) keeps the KV cache and state across calls: the prefix it already
@@ -103,15 +119,20 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     sampler = sampler or make_sampler(temp=temp, top_p=top_p)
     kv_options = {"kv_bits": kv_bits} if kv_bits else {}
     forward = model  # prefill chunks run here (a prompt cache prefills itself)
-    one_sync_model = None
-    if om is not None and one_sync != "off":
-        from runtime.decode.one_sync import OneSyncGate, OneSyncModel
-
-        one_sync_model = OneSyncModel(om, OneSyncGate(min_success=0.0) if one_sync == "on" else None)
-        model = one_sync_model
+    dp = DevicePass(om) if om is not None and one_sync != "off" else None
     mx.reset_peak_memory()
     c0 = _counters(om)
     t0 = time.perf_counter()
+    if om is not None:
+        warm_start(om, warm)  # reads overlap the prefill
+
+    def decode(prompt: mx.array, cache, **prefill):
+        if dp is None:
+            return generate_step(prompt, model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache, **prefill,
+                                 **kv_options)
+        return offloaded_generate_step(om, prompt, max_tokens=max_tokens, sampler=sampler, device_pass=dp,
+                                       prompt_cache=cache, after_prefill=om.cache.settle_inflight, **prefill, **kv_options)
+
     tokens, t_first, c1 = [], None, None
     reused = prompt_cache.reuse(prompt_ids) if prompt_cache is not None else 0
     meter, prefill = PrefillMeter(om, len(prompt_ids) - reused, progress).start(), None
@@ -126,25 +147,24 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
             meter.on_chunk(done, total)
             now = reused + done
             limit.observe(kv, now, min(now + step, len(prompt_ids)) + 1, chunk=step)
-    ok = False
+    ok, steps = False, None
     try:
         if prompt_cache is None:
-            steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler,
-                                  prompt_progress_callback=on_chunk, prefill_step_size=step, prompt_cache=kv,
-                                  **kv_options)
+            steps = decode(mx.array(prompt_ids), kv, prompt_progress_callback=on_chunk, prefill_step_size=step)
         else:  # the same chunks as generate_step's prefill, into the kept cache; then the last token
             last = prompt_cache.prefill(forward, prompt_ids, on_chunk=on_chunk, step=step, kv_options=kv_options)
-            steps = generate_step(mx.array([last]), model, max_tokens=max_tokens, sampler=sampler,
-                                  prompt_cache=prompt_cache.cache, **kv_options)
+            steps = decode(mx.array([last]), prompt_cache.cache)
         for token, _ in steps:
             token = int(token)
             if t_first is None:
-                t_first, c1 = time.perf_counter(), _counters(om)
+                t_first, c1 = time.perf_counter(), _counters(om, dp)
                 prefill = meter.stop()
                 prefill.reused_tokens, prefill.chunk_tokens = reused, step
             tokens.append(token)
             if limit is not None and (len(tokens) == 1 or len(tokens) % 32 == 0):
                 limit.observe(kv, len(prompt_ids) + len(tokens), len(prompt_ids) + len(tokens) + 32, chunk=1)
+            # syncs and repairs up to this token (the step generate_step computes after the last one is not a decoded token)
+            at_last = (om.cache.host_syncs, dp.stats.repairs if dp else 0) if om is not None else (0, 0)
             yield token
             if token in eos_ids:
                 break
@@ -153,6 +173,9 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         ok = True  # closed by the consumer after a token: generate_step fed every token it yielded
         raise
     finally:
+        if dp is not None and steps is not None:
+            steps.close()  # an early stop leaves the next forward queued: finish (repair) and book it
+            dp.flush()
         if prefill is None:
             meter.stop()  # restores the modules' observers
         if prompt_cache is not None:
@@ -161,7 +184,7 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
             else:
                 prompt_cache.reset()  # an error mid-way: what the caches hold is unknown
     t_end = time.perf_counter()
-    c2 = _counters(om)
+    c2 = _counters(om, dp)
     n_decode = max(0, len(tokens) - 1)
     hits, misses = c2["hits"] - c1["hits"], c2["misses"] - c1["misses"]
     return GenerationStats(
@@ -177,8 +200,12 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         bytes_read=c2["bytes_read"] - c0["bytes_read"],
         load_wait_ms=c2["load_wait_ms"] - c0["load_wait_ms"],
         peak_memory_bytes=mx.get_peak_memory(),
-        one_sync_tries=one_sync_model.stats.tries if one_sync_model else 0,
-        one_sync_fallbacks=one_sync_model.stats.fallbacks if one_sync_model else 0,
+        one_sync_tries=dp.stats.passes if dp else 0,
+        one_sync_fallbacks=dp.stats.multi_sync if dp else 0,
+        host_syncs_per_token=(at_last[0] - c1["host_syncs"]) / n_decode if n_decode else 0.0,
+        repairs_per_token=(at_last[1] - c1["repairs"]) / n_decode if n_decode else 0.0,
+        wasted_reads=dp.stats.wasted_reads if dp else 0,
+        bookkeeping_us_per_layer_call=dp.stats.bookkeeping_s * 1e6 / max(1, dp.stats.layer_calls) if dp else 0.0,
         prefill=prefill,
         prefetch_reads_per_token=(c2["prefetch_loaded"] - c1["prefetch_loaded"]) / n_decode if n_decode else 0.0,
         prefetch_used_per_token=(c2["prefetch_hits"] - c1["prefetch_hits"]) / n_decode if n_decode else 0.0,

@@ -7,7 +7,10 @@ is the last emitted token (not yet seen by the target):
 - prefetch: forecast experts of the first `cutoff` MoE layers are queued on the
             loader (earlier layers first, capped in bytes) and protected from
             eviction until their layer is verified. Reads overlap the drafting.
-- verify:   one target forward over W (K+1 tokens); misses still load on demand.
+- verify:   one target forward over W (K+1 tokens) as a device pass: expert lookups on
+            the device and one host sync when the forecast covered the window; absent
+            experts are read at once and the pass recomputes from the first layer that
+            missed (runtime/decode/device_pass.py).
 - accept:   greedy (exact match) or rejection sampling (target distribution kept).
 - adapt:    K follows acceptance round by round, down to K = 0, a plain decoding
             round with no drafter work (runtime/decode/draft_length.py).
@@ -38,8 +41,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from predictor.base import DraftTaps, ExpertForecast
 from runtime.decode.draft_length import DraftLength
 from runtime.decode.drafter import DraftResult, ModelDrafter
+from runtime.decode.device_pass import DevicePass
 from runtime.decode.prefill import PrefillMeter, PrefillStats
-from runtime.decode.one_sync import OneSyncGate, OneSyncPass, gated_forward, roll_back, snapshot_untrimmable
+from runtime.decode.rollback import roll_back, snapshot_untrimmable
+from runtime.decode.warm import warm_start
 from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities, sample
 from storage import ExpertKey
 
@@ -53,7 +58,8 @@ class SpecConfig:
     top_p: float = 1.0
     seed: int = 0
     prefill_chunk: int = 512  # prompt tokens per target forward during prefill
-    one_sync: str = "auto"  # verify with one host sync when experts are resident: auto (adaptive), on, off
+    warm: str | None = None  # warm start source (runtime/decode/warm.py); a full budget always warms
+    one_sync: str = "auto"  # verify as device passes (one host sync, repair): auto or on; off: one sync per layer
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
 
     def __post_init__(self):
@@ -93,8 +99,11 @@ class SpecStats:
     draft_s: float = 0.0  # time in draft + forecast + queueing prefetch
     verify_s: float = 0.0  # time in target verify forwards (including demand loads)
     rewind_s: float = 0.0  # time restoring state and re-running accepted tokens
-    one_sync_tries: int = 0  # verify passes tried with one host sync (runtime/decode/one_sync.py)
-    one_sync_fallbacks: int = 0  # of those, passes that met an absent expert and ran again normally
+    one_sync_tries: int = 0  # verify forwards run as device passes (runtime/decode/device_pass.py)
+    one_sync_fallbacks: int = 0  # of those, verifies that needed more than one host sync (repairs, split layers)
+    host_syncs: int = 0  # host syncs of verify forwards (1 per round when the forecast covered the window)
+    repairs: int = 0  # verify recomputations after absent experts
+    settle_ms: float = 0.0  # time waiting, before verify, for the round's prefetches still in flight
     decode_s: float = 0.0  # wall time of all rounds
     prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
     per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
@@ -155,8 +164,7 @@ class SpeculativeDecoder:
         self._forecast = ExpertForecast.empty()
         self._queued: set[ExpertKey] = set()
         self._round_bytes = 0
-        self._one_sync = OneSyncPass(target) if cfg.one_sync != "off" else None
-        self._gate = OneSyncGate() if cfg.one_sync == "auto" else OneSyncGate(min_success=0.0)
+        self._pass = DevicePass(target) if cfg.one_sync != "off" else None
         self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
 
     # -- phases ------------------------------------------------------------------------
@@ -190,23 +198,30 @@ class SpeculativeDecoder:
         self.target.set_observer(self._observe)
         try:
             self.target.label_round("verify")
-            logits = self._forward(window, snapshot, self._gate, count=True)[0]  # (K+1, V)
+            logits = self._forward(window, count=True)[0]  # (K+1, V)
         finally:
             self.target.set_observer(None)  # also when the forward raises: never leave it observing
         mx.eval(logits)
         self.stats.verify_s += time.perf_counter() - t0
         return logits
 
-    def _forward(self, tokens: list[int], snapshot: list, gate: OneSyncGate | None, count: bool) -> mx.array:
-        """The target over `tokens` with one host sync if their experts are resident, else the normal path."""
+    def _forward(self, tokens: list[int], count: bool) -> mx.array:
+        """The target over `tokens` as a device pass (one host sync if their experts are resident)."""
         inputs = mx.array(tokens)[None]
         forward = lambda: self.target.model(inputs, cache=self.cache)  # noqa: E731
-        if self._one_sync is None:
+        if self._pass is None:
             return forward()
-        out, success = gated_forward(gate, self._one_sync, forward, lambda: roll_back(self.cache, snapshot, len(tokens)))
-        if count and success is not None:
+        before = (self._pass.stats.host_syncs, self._pass.stats.repairs, self._pass.stats.multi_sync)
+        if count:
+            # The round's prefetches land first: a forecast expert still loading would read as absent and
+            # cost a repair (a recompute) instead of the same wait.
+            self.stats.settle_ms += self.target.cache.settle_inflight()
+        out = self._pass.run(forward, self.cache, len(tokens))
+        if count:
             self.stats.one_sync_tries += 1
-            self.stats.one_sync_fallbacks += not success
+            self.stats.host_syncs += self._pass.stats.host_syncs - before[0]
+            self.stats.repairs += self._pass.stats.repairs - before[1]
+            self.stats.one_sync_fallbacks += self._pass.stats.multi_sync - before[2]
         return out
 
     def _observe(self, layer: int, ids: np.ndarray) -> None:
@@ -241,7 +256,7 @@ class SpeculativeDecoder:
                 roll_back(self.cache, snapshot, len(window))
                 self.target.label_round("rerun")
                 # The verify pass has just used these tokens' experts: a one-sync pass almost always holds.
-                self._forward(window[: n_accepted + 1], snapshot, None, count=False)
+                self._forward(window[: n_accepted + 1], count=False)
                 mx.eval([c.state for c in self.cache])
                 self.target.end_round()
                 self.stats.n_reruns += 1
@@ -259,6 +274,7 @@ class SpeculativeDecoder:
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization; expected at least one token")
         head = prompt_ids[:-1]
+        warm_start(self.target, self.cfg.warm)  # reads overlap the prefill
         for i in range(0, len(head), self.cfg.prefill_chunk):
             self.target.label_round("prefill")
             self.target.model(mx.array(head[i : i + self.cfg.prefill_chunk])[None], cache=self.cache)
@@ -266,6 +282,7 @@ class SpeculativeDecoder:
             if on_chunk is not None:
                 on_chunk(min(i + self.cfg.prefill_chunk, len(head)), len(head))
         self.drafter.prefill(prompt_ids)
+        self.target.cache.settle_inflight()  # the warm start's reads are in before the first round
         return prompt_ids[-1]
 
     def step(self, pending: int) -> list[int]:

@@ -16,7 +16,7 @@ never rejected drafts or re-runs).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,12 +33,17 @@ class LayerRecord:
     stall_ms: float = 0.0  # time waiting for reads
 
     def add(self, other: "LayerRecord") -> None:
-        # Field by field: dataclasses.asdict deep-copies, and this runs twice per layer per forward.
-        for k in _LAYER_FIELDS:
-            setattr(self, k, getattr(self, k) + getattr(other, k))
+        # Field by field, spelled out: this runs twice per layer per forward.
+        self.n_tokens += other.n_tokens
+        self.n_pairs += other.n_pairs
+        self.n_unique += other.n_unique
+        self.hits += other.hits
+        self.misses += other.misses
+        self.prefetch_used += other.prefetch_used
+        self.bytes_read += other.bytes_read
+        self.stall_ms += other.stall_ms
 
 
-_LAYER_FIELDS = tuple(f.name for f in fields(LayerRecord))
 
 
 @dataclass
@@ -101,6 +106,23 @@ class Telemetry:
         self.totals[layer].add(rec)
         if self.tracing:
             self._routing[layer] = ids
+
+    def on_forward(self, calls: list) -> None:
+        """A whole forward's calls at once, [(layer, ids (tokens, k), n_unique, (hits, misses, prefetch_used,
+        bytes_read, stall_ms))], in layer order: the same records as on_call() for each, without
+        re-deriving the unique experts."""
+        for layer, ids, n_unique, (hits, misses, prefetch_used, bytes_read, stall_ms) in calls:
+            if self._current is None or layer in self._current.layers:
+                self._close()
+                kind = self._label[0] if self._label else ("decode" if ids.shape[0] == 1 else "prefill")
+                self._label = None
+                self._current = RoundRecord(self._n, kind, ids.shape[0])
+                self._n += 1
+            rec = LayerRecord(ids.shape[0], ids.size, n_unique, hits, misses, prefetch_used, bytes_read, stall_ms)
+            self._current.layers[layer] = rec
+            self.totals[layer].add(rec)
+            if self.tracing:
+                self._routing[layer] = ids
 
     def _close(self, keep_tokens: int | None = None) -> None:
         r = self._current

@@ -1,0 +1,171 @@
+"""ResidentTables: the part of ExpertCache that serves forwards looking slots up on the device.
+
+Each MoE layer has one persistent uint32 device array, expert -> slot if valid, else the absent
+code n_slots + expert, whose memory is the SlotTable's `resident` map: a commit writes one
+entry (absent -> slot), an eviction writes one (slot -> absent), and nothing is ever rebuilt or
+uploaded per step. A forward maps its router's ids through it on the device (codes >= n_slots
+flag the absent experts); the host learns which experts were
+absent at the forward's one sync, reads them all at once (load_absent) and the decoder
+recomputes from the first layer that missed (runtime/decode/device_pass.py).
+
+Invariants:
+- No slot a pending (not yet evaluated) device-lookup graph may read is overwritten: the
+  decoder hold()s every layer before it builds such a graph and release()s after its one sync;
+  while held, a layer's valid experts are neither evicted (reserve() takes only free slots) nor
+  trimmed by a shrink. A commit during a hold only turns an absent code into a slot whose bytes
+  are written.
+- load_absent() returns only when every requested expert is valid, or raises, and leaves
+  nothing pinned either way. It records no hits or misses: record_forward() does, once per
+  forward, after the forward has been accepted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from runtime.cache.slot_table import FREE, LOADING, VALID
+from storage import ExpertKey
+from storage.loader import DEMAND, PREFETCH
+
+
+class ResidentTables:
+    """Mixin of ExpertCache (uses its lock, SlotTable, loader and tickets)."""
+
+    def hold(self, layers=None) -> None:
+        """A device-lookup forward reading `layers` (None: all) is about to be built: no valid slot
+        of them may be evicted until release(layers)."""
+        with self._lock:
+            for layer in self.table.layers if layers is None else layers:
+                self.table.layers[layer].held += 1
+
+    def release(self, layers=None) -> None:
+        """The held forward was evaluated: evictions (and pending trims of shrunk layers) may resume."""
+        with self._lock:
+            for layer in list(self.table.layers if layers is None else layers):
+                ls = self.table.layers[layer]
+                if ls.held <= 0:
+                    raise RuntimeError(f"layer {layer}: release() without a matching hold()")
+                ls.held -= 1
+                if not ls.held:
+                    self._settle_beyond(layer)
+
+    def is_held(self) -> bool:
+        with self._lock:
+            return any(ls.held for ls in self.table.layers.values())
+
+    def absent(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Those of `experts` with no valid slot now (the host view of the device table)."""
+        return experts[self.table.layers[layer].is_absent(experts)]
+
+    def load_absent(self, needs: dict[int, np.ndarray]) -> dict[int, tuple[np.ndarray, int, float]]:
+        """Make every expert of needs[layer] (unique ids, at most the layer's usable slots) valid,
+        reading all absent ones in parallel; experts of the same layer never evict each other.
+        Returns layer -> (experts read, bytes read, ms waited). Raises (nothing pinned) if a read
+        fails or a layer has no room. Forecast experts stay protected unless a layer has no other
+        room (a later layer's flagged experts may come from a wrong input; the forecast may be right)."""
+        tickets, pinned, out, reserved = [], {}, {}, []
+        try:
+            for layer, experts in needs.items():
+                experts = np.asarray(experts, np.int64)
+                for attempt in (0, 1):
+                    self._await_room(layer, experts)  # in-flight prefetches occupying the room finish first
+                    with self._lock:
+                        ls = self.table.layers[layer]
+                        if ls.held:
+                            raise RuntimeError(f"layer {layer}: load_absent() while a device-lookup forward is pending")
+                        read = experts[ls.expert_to_slot[experts] < 0]
+                        if len(read) <= self._room(layer, experts):
+                            out[layer] = read
+                            self._pin_and_read(layer, experts, read, tickets, reserved, pinned.setdefault(layer, []))
+                            break
+                    if attempt == 0 and any(k.layer == layer for k in list(self._protected)):
+                        self.unprotect(layer)  # the forecasts pin the only room left: the forward is past them
+                        continue
+                    raise RuntimeError(
+                        f"layer {layer}: no room for experts {read.tolist()} ({ls.usable} usable slots, "
+                        f"{int((ls.pins > 0).sum())} pinned); a forward needs at most {ls.usable} unique experts")
+            t0 = time.perf_counter()
+            self._wait_reads(tickets)  # follows a failed prefetch to its demand re-read
+            ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0
+            with self._lock:
+                for layer, experts in needs.items():
+                    if self.table.layers[layer].is_absent(np.asarray(experts, np.int64)).any():
+                        raise RuntimeError(f"layer {layer}: load_absent() left an expert absent")
+            return {l: (r, len(r) * self.layouts[l].expert_bytes, ms) for l, r in out.items()}
+        except BaseException:
+            with self._lock:
+                for key in reserved:
+                    if key not in self._tickets and self.table.state_of(key) == LOADING:
+                        self.table.abort(key)  # reserved, but its read was never queued
+            raise
+        finally:
+            with self._lock:
+                for layer, slots in pinned.items():
+                    self.table.unpin(layer, slots)
+                    self._settle_beyond(layer)
+
+    def warm(self, keys) -> int:
+        """Queue reads of the absent `keys` (each layer's first ones first) into free or evictable slots,
+        at prefetch priority and unprotected: a warm start before decoding. Returns the reads queued;
+        a layer whose slots are all busy takes no more."""
+        queued = 0
+        with self._lock:
+            for key in keys:
+                if self.table.slot_of(key) >= 0:
+                    continue
+                slot = self.table.reserve(key)
+                if slot is None:
+                    continue
+                try:
+                    self._submit(key, slot, priority=PREFETCH + key.layer)
+                except BaseException:
+                    self.table.abort(key)  # its read was never queued
+                    raise
+                queued += 1
+        return queued
+
+    def _room(self, layer: int, experts: np.ndarray) -> int:
+        """Slots a load for `experts` may take now (lock held): free, or valid, unpinned and not needed."""
+        ls = self.table.layers[layer]
+        state, pins, owner = ls.state[: ls.usable], ls.pins[: ls.usable], ls.slot_to_expert[: ls.usable]
+        return int(((state == FREE) | ((state == VALID) & (pins == 0) & ~np.isin(owner, experts))).sum())
+
+    def _pin_and_read(self, layer: int, experts: np.ndarray, read: np.ndarray, tickets: list, reserved: list,
+                      pinned: list) -> None:
+        """Pin the slots of `experts` present (waiting on in-flight reads of them), reserve, pin and queue
+        a demand read for each of `read` (lock held; room checked); every slot pinned goes to `pinned`."""
+        ls = self.table.layers[layer]
+        slots = ls.expert_to_slot[experts]
+        present = slots[slots >= 0].tolist()
+        self.table.pin(layer, present)
+        pinned.extend(present)
+        for e, slot in zip(experts[slots >= 0].tolist(), present):
+            if ls.state[slot] == LOADING:  # an in-flight prefetch: wait for its own read
+                key = ExpertKey(layer, e)
+                ticket = self._tickets.get(key) or self._submit(key, slot, priority=DEMAND)
+                self.loader.promote(ticket)
+                tickets.append(ticket)
+        for e in read.tolist():
+            key = ExpertKey(layer, e)
+            slot = self.table.reserve(key)
+            if slot is None:
+                raise RuntimeError(f"layer {layer}: no evictable slot for expert {e} although room was counted")
+            self.table.pin(layer, [slot])
+            pinned.append(slot)
+            reserved.append(key)
+            tickets.append(self._submit(key, slot, priority=DEMAND))
+
+    def record_forward(self, calls: list) -> list[tuple]:
+        """Bookkeeping of one accepted forward, [(layer, unique expert ids, loaded, reads, bytes read, ms
+        waited)]: each call's experts were all valid when it ran, `loaded` of them read for it out of
+        `reads` demand reads (a repair may read experts the recomputed call did not use; they count as
+        misses). Recency, hits, misses and prefetch use as ensure() records them, under one lock round
+        trip. Returns per call (hits, misses, prefetch_used, bytes_read, stall_ms), CallStats' fields."""
+        out = []
+        with self._lock:
+            for layer, experts, loaded, reads, nbytes, ms in calls:
+                hits, prefetch_used = self.table.record_use(layer, experts, loaded, reads)
+                out.append((hits, reads, prefetch_used, nbytes, ms))
+        return out

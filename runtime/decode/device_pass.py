@@ -1,0 +1,284 @@
+"""DevicePass: a target forward with expert lookups on the device, one host sync, and repair.
+
+launch(forward) builds the whole forward lazily: every MoE layer whose tokens x k fit its
+usable slots maps its router's ids through the cache's persistent device table (no host
+sync, no Python per expert) and its slots are held (never evicted) until the forward is
+evaluated; a window that may need more experts than a layer's slots takes the synced split
+path in that layer. launch() queues the forward with mx.async_eval and returns at once.
+
+finish() makes the one host sync (output, every layer's ids and lookup codes in one array). If
+an expert was absent, it repairs instead of discarding: the layers before the first layer
+that missed are kept (their outputs, KV and state are right), every expert flagged absent in
+the forward is read at once (parallel reads), the caches of the layers from the first missing
+one are rolled back (trim, or restore GatedDeltaNet/rotating state from the snapshot taken at
+launch) and the forward is rebuilt from that layer (LayerReplay returns the kept layers'
+outputs). Each repair moves the first missing layer strictly later (a repaired layer sees the
+same input, hence routes to the same, now resident, experts), so there are at most one per
+MoE layer.
+
+Lookup codes are slots, or n_slots + expert for an absent expert (runtime/cache/resident_tables.py).
+Hook for forecasters (lookahead prefetch): each of om.forward_hooks is called with the accepted
+forward's routing {layer: ids (T, k)} right after its sync, before the next forward is built --
+the one moment no device-lookup graph is pending, so prefetches queued there may evict.
+The bookkeeping of an accepted forward -- recency, hits and misses, prefetch use, observer,
+telemetry, forecast protection -- is queued and done by flush(): plain decoding calls it after
+queueing the next forward, so it overlaps that forward's compute; a repair flushes first, so
+eviction choices see every earlier use.
+
+Invariants: a forward is returned only when every routed expert it read was resident (the same
+slots, kernels and weights as the synced path: bit-identical output); no slot a pending graph
+may read is overwritten (hold/release around every build); modules leave device mode and the
+holds are released when launch()/finish() return or raise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import RotatingKVCache
+
+from runtime.decode.rollback import roll_back, snapshot_untrimmable
+
+
+@dataclass
+class PassStats:
+    passes: int = 0  # forwards run through the pass
+    host_syncs: int = 0  # host syncs those forwards made (1 + repairs + synced layer calls)
+    repairs: int = 0  # recomputations after absent experts
+    multi_sync: int = 0  # passes that needed more than one host sync
+    repair_reads: int = 0  # experts read by repairs
+    wasted_reads: int = 0  # of those, experts the accepted forward did not use
+    recomputed_layers: int = 0  # decoder layers run again by repairs
+    layer_calls: int = 0  # MoE layer calls that looked up on the device
+    bookkeeping_s: float = 0.0  # host time in flush() (recency, stats, observer, telemetry)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Launch:
+    forward: Callable
+    cache: list
+    n_tokens: int
+    snapshot: list
+    out: object
+    packed: mx.array | None
+    layers: list  # MoE layers looked up on the device in this build, in packing order
+    shapes: list  # their ids' shapes
+    held: frozenset
+
+
+class DevicePass:
+    def __init__(self, om, max_repairs: int | None = None):
+        self.om = om
+        self.cache = om.cache
+        self.modules = om.modules
+        self.replay = om.replay
+        self.index = om.decoder_index  # MoE layer -> decoder layer (cache) index
+        self.order = sorted(self.modules, key=self.index.get)
+        self.top_k = om.top_k
+        self.max_repairs = max_repairs or len(self.modules) + 1
+        self.stats = PassStats()
+        self.lookup_layers: frozenset = frozenset()  # read by the modules while in device mode
+        self._launch: _Launch | None = None
+        self._host: dict = {}  # layer -> (ids (T, k), codes (T, k))
+        self._synced: dict[int, tuple[np.ndarray, list]] = {}  # layer -> (ids, CallStats) of synced calls
+        self._book = None
+        self._records: list = []
+        self._syncs0 = 0
+        self._lookup_key, self._lookup = None, frozenset()
+        self._n_slots = np.array([self.cache.n_slots(l) for l in self.order])[:, None]
+
+    # -- fed by the modules --------------------------------------------------------------
+    def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
+        self._records.append((layer, indices, codes))
+
+    def record_synced(self, layer: int, ids: np.ndarray, calls: list) -> None:
+        self._synced[layer] = (ids, calls)
+
+    # -- one forward -----------------------------------------------------------------------
+    def run(self, forward: Callable, cache: list, n_tokens: int):
+        """launch + finish + flush: the evaluated output of forward(), every routed expert resident."""
+        self.launch(forward, cache, n_tokens)
+        out = self.finish()
+        self.flush()
+        return out
+
+    def launch(self, forward: Callable, cache: list, n_tokens: int) -> None:
+        """Build forward() lazily in device mode and queue it (mx.async_eval); no host sync here
+        (except layers that take the synced path)."""
+        if self._launch is not None:
+            raise RuntimeError("launch() while a forward is pending; finish() it first")
+        cap = self.top_k * n_tokens
+        usable = self.cache.usable_now()
+        key = (cap, tuple(usable.values()))
+        if key != self._lookup_key:  # which layers fit changes only with the window or a resize
+            self._lookup_key = key
+            self._lookup = frozenset(l for l in self.order if cap <= usable[l])
+        self.lookup_layers = self._lookup
+        snapshot = snapshot_untrimmable(cache)
+        self._host, self._synced = {}, {}
+        self._syncs0 = self.cache.host_syncs
+        self.replay.start()
+        try:
+            self._launch = self._build(forward, cache, n_tokens, snapshot)
+        except BaseException:
+            self.replay.stop()
+            raise
+        self.stats.passes += 1
+
+    def _build(self, forward, cache, n_tokens, snapshot) -> _Launch:
+        held = self.lookup_layers
+        self._records = []
+        self.cache.hold(held)
+        try:
+            self.cache.active_pass = self  # every module of the model looks up on the device now
+            try:
+                out = forward()
+            finally:
+                self.cache.active_pass = None
+            layers = [l for l, _, _ in self._records]
+            shapes = [tuple(i.shape) for _, i, _ in self._records]
+            packed = None
+            if self._records:
+                arrays = [c for _, _, c in self._records] + [i for _, i, _ in self._records]
+                if len(set(shapes)) == 1 and len({a.dtype for a in arrays}) == 1:
+                    packed = mx.stack(arrays)  # one array, one transfer: codes of every layer, then ids
+                else:
+                    packed = mx.concatenate([a.reshape(-1).astype(mx.int64) for a in arrays])
+                mx.async_eval(out, packed)
+            else:
+                mx.async_eval(out)
+        except BaseException:
+            self.cache.release(held)
+            raise
+        finally:
+            self._records = []
+        self.stats.layer_calls += len(layers)
+        return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held)
+
+    def _sync(self, launch: _Launch) -> list[int]:
+        """The host sync of a built forward; returns the MoE layers with an absent expert."""
+        try:
+            mx.eval(launch.out, launch.packed) if launch.packed is not None else mx.eval(launch.out)
+        finally:
+            self.cache.release(launch.held)
+        self.cache.host_syncs += 1
+        if launch.packed is None:
+            return []
+        host = np.array(launch.packed).reshape(2, len(launch.layers), -1)
+        n_slots = self._n_slots if len(launch.layers) == len(self.order) else \
+            np.array([self.cache.n_slots(l) for l in launch.layers])[:, None]
+        absent = (host[0] >= n_slots).any(axis=1)
+        k = launch.shapes[0][-1]
+        for layer, ids, codes in zip(launch.layers, host[1], host[0]):
+            self._host[layer] = (ids.reshape(-1, k), codes.reshape(-1, k))
+        return [l for l, a in zip(launch.layers, absent.tolist()) if a]
+
+    def finish(self):
+        """The one host sync; repairs until every routed expert was resident. Returns forward()'s output."""
+        launch, self._launch = self._launch, None
+        if launch is None:
+            raise RuntimeError("finish() without launch()")
+        loaded: dict[int, list] = {}
+        try:
+            missing = self._sync(launch)
+            repairs = 0
+            while missing:
+                repairs += 1
+                if repairs > self.max_repairs:
+                    raise RuntimeError(f"a forward still missed experts after {self.max_repairs} repairs")
+                launch = self._repair(launch, missing, loaded)
+                missing = self._sync(launch)
+        finally:
+            self.replay.stop()
+        if self.om.forward_hooks:  # no forward is pending here: a hook's prefetches may evict
+            routing = {l: h[0] for l, h in self._host.items()}
+            for hook in self.om.forward_hooks:
+                hook(routing)
+        syncs = self.cache.host_syncs - self._syncs0  # 1 + repairs + synced layer calls
+        self.stats.repairs += repairs
+        self.stats.host_syncs += syncs
+        self.stats.multi_sync += syncs > 1
+        self._book = (self._host, self._synced, loaded)
+        self._host, self._synced = {}, {}
+        return launch.out
+
+    def settle(self) -> None:
+        """Finish a launched forward nobody will read (generation stopped early), repairing it so the
+        caches it wrote are right (a kept prompt cache holds its token). finish() releases the hold
+        whatever happens."""
+        if self._launch is not None:
+            self.finish()
+
+    def _repair(self, launch: _Launch, missing: list[int], loaded: dict) -> _Launch:
+        self.flush()  # the previous forward's recency first: it decides what is evicted
+        first = min(self.index[l] for l in missing)
+        if launch.n_tokens > 1 and any(isinstance(c, RotatingKVCache) for c in launch.cache):
+            first = 0  # a rotating cache's window mask depends on every layer's offset: recompute all
+        needs = {l: np.unique(self._host[l][0]) for l in missing}
+        for layer, (read, nbytes, ms) in self.cache.load_absent(needs).items():
+            loaded.setdefault(layer, []).append((read, nbytes, ms))
+            self.stats.repair_reads += len(read)
+        roll_back(launch.cache, launch.snapshot, launch.n_tokens, start=first)
+        for l in [l for l in self._host if self.index[l] >= first]:
+            del self._host[l]
+        for l in [l for l in self._synced if self.index[l] >= first]:
+            del self._synced[l]
+        self.replay.skip(first)
+        self.stats.recomputed_layers += len(launch.cache) - first
+        return self._build(launch.forward, launch.cache, launch.n_tokens, launch.snapshot)
+
+    # -- bookkeeping, once per accepted forward ------------------------------------------------
+    def flush(self) -> None:
+        """Record the last accepted forward: recency, hits/misses, observer, telemetry."""
+        if self._book is None:
+            return
+        t0 = time.perf_counter()
+        host, synced, loaded = self._book
+        self._book = None
+        rows, wasted = [], 0
+        for layer in self.order:
+            if layer not in host:
+                continue
+            ids = host[layer][0]
+            unique = ids[0] if ids.shape[0] == 1 else np.unique(ids)  # one token's k experts are distinct
+            reads = loaded.get(layer)
+            if reads:
+                read = np.concatenate([r for r, _, _ in reads])
+                used = int(np.isin(read, unique).sum())
+                wasted += len(read) - used
+                nbytes = sum(b for _, b, _ in reads)  # all of the layer's repair reads, used or not
+                rows.append((layer, unique, used, len(read), nbytes, sum(ms for _, _, ms in reads)))
+            else:
+                rows.append((layer, unique, 0, 0, 0, 0.0))
+        booked = {r[0]: (len(r[1]), st) for r, st in zip(rows, self.cache.record_forward(rows))}
+        calls = []
+        for layer in self.order:
+            if layer in booked:
+                ids = host[layer][0]
+                calls.append((layer, ids, *booked[layer]))
+            elif layer in synced:
+                ids, cs = synced[layer]
+                calls.append((layer, ids, len(np.unique(ids)), _sum_calls(cs)))
+            else:
+                continue
+            observer = self.modules[layer].observer
+            if observer is not None:
+                observer(layer, ids)
+        if self.om.telemetry is not None:
+            self.om.telemetry.on_forward(calls)
+        self.cache.unprotect()  # the forward has passed every layer: their forecasts have served
+        self.stats.wasted_reads += wasted
+        self.stats.bookkeeping_s += time.perf_counter() - t0
+
+
+def _sum_calls(calls: list) -> tuple:
+    """(hits, misses, prefetch_used, bytes_read, stall_ms) over the groups of a synced (split) call."""
+    return (sum(c.hits for c in calls), sum(c.misses for c in calls), sum(c.prefetch_used for c in calls),
+            sum(c.bytes_read for c in calls), sum(c.stall_ms for c in calls))
