@@ -106,7 +106,7 @@ def main() -> None:
                          "store made by `specmoe convert` in a temporary directory (one read per expert)")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--one-sync", default="auto", choices=["auto", "on", "off"],
-                    help="one-sync verify when the window's experts are resident (runtime/decode/one_sync.py)")
+                    help="auto/on: verifies as device passes (runtime/decode/device_pass.py); off: one host sync per MoE layer")
     ap.add_argument("--forecast-k", type=int, default=None, help="experts spmoe takes per window token (default k)")
     ap.add_argument("--forecast-limit", type=int, default=None,
                     help="experts forecast per layer per round at most (default 2k)")

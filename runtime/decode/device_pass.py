@@ -116,10 +116,12 @@ class DevicePass:
             raise RuntimeError("launch() while a forward is pending; finish() it first")
         cap = self.top_k * n_tokens
         usable = self.cache.usable_now()
-        key = (cap, tuple(usable.values()))
-        if key != self._lookup_key:  # which layers fit changes only with the window or a resize
+        # A layer with a lookahead forecaster attached keeps its synced call: the forecast rides on that sync.
+        ahead = tuple(self.modules[l].lookahead is not None for l in self.order)
+        key = (cap, tuple(usable.values()), ahead)
+        if key != self._lookup_key:  # which layers fit changes only with the window, a resize or a lookahead
             self._lookup_key = key
-            self._lookup = frozenset(l for l in self.order if cap <= usable[l])
+            self._lookup = frozenset(l for l, a in zip(self.order, ahead) if cap <= usable[l] and not a)
         self.lookup_layers = self._lookup
         snapshot = snapshot_untrimmable(cache)
         self._host, self._synced = {}, {}
