@@ -170,7 +170,8 @@ def _evicted_while_pending(om, hold: bool) -> int:
     if not hold:
         om.cache.hold = om.cache.release = lambda layers=None: None  # a broken pass: no hold
     dp.launch(lambda: om.model(mx.array(ids[-1:])[None], cache=cache), cache, 1)
-    om.cache.prefetch([ExpertKey(l, e) for l in om.moe_layers for e in range(TINY["n_experts"])], round_id=1)
+    absent = [ExpertKey(l, e) for l in om.moe_layers for e in range(TINY["n_experts"]) if resident[l][e] >= om.cache.n_slots(l)]
+    om.cache.prefetch(absent, round_id=1)  # only absent experts: nothing resident is protected by it
     om.loader.drain()
     om.cache.set_usable_slots(om.top_k)
     table = om.cache.table.layers
