@@ -55,7 +55,8 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
             _, stats = generate_tokens(om.model, ids, max_tokens=args.tokens, om=om)
             n = stats.n_tokens - 1  # the first token comes from prefill
             return {"tokens_per_s": stats.tokens_per_s, "tokens": n, "misses": stats.misses_per_token * n,
-                    "mb": stats.mb_read_per_token * n}
+                    "mb": stats.mb_read_per_token * n, "syncs_per_token": stats.host_syncs_per_token,
+                    "repairs_per_token": stats.repairs_per_token}
         dmodel, dconfig = load_drafter(draft, om)
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
                                            predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
@@ -70,7 +71,8 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                 "precision": stats.precision(layers or None),
                 "forecast_per_layer": forecast / max(1, stats.n_rounds * len(layers)),
                 "one_sync_share": (stats.one_sync_tries - stats.one_sync_fallbacks) / max(1, stats.n_rounds),
-                "mean_k": stats.mean_k}
+                "mean_k": stats.mean_k, "syncs_per_round": stats.host_syncs / max(1, stats.one_sync_tries),
+                "repairs_per_round": stats.repairs / max(1, stats.one_sync_tries)}
     finally:
         om.close()
 
@@ -86,7 +88,8 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
            "n_runs": len(runs),
            "misses_per_token": sum(r["misses"] for r in runs) / tokens,
            "mb_read_per_token": sum(r["mb"] for r in runs) / tokens}
-    for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share", "mean_k"):
+    for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share", "mean_k",
+                "syncs_per_round", "repairs_per_round", "syncs_per_token", "repairs_per_token"):
         out[key] = statistics.mean(r[key] for r in runs) if key in runs[0] else None
     return out
 
