@@ -221,8 +221,10 @@ class DevicePass:
     def _repair(self, launch: _Launch, missing: list[int], loaded: dict) -> _Launch:
         self.flush()  # the previous forward's recency first: it decides what is evicted
         first = min(self.index[l] for l in missing)
-        if launch.n_tokens > 1 and any(isinstance(c, RotatingKVCache) for c in launch.cache):
-            first = 0  # a rotating cache's window mask depends on every layer's offset: recompute all
+        if launch.n_tokens > 1 or any(isinstance(c, RotatingKVCache) for c in launch.cache):
+            # A window's attention mask, and a sliding-window mask at any length, are built from the first
+            # cache's offset, which a kept layer has already advanced: recompute every layer then.
+            first = 0
         needs = {l: np.unique(self._host[l][0]) for l in missing}
         for layer, (read, nbytes, ms) in self.cache.load_absent(needs).items():
             loaded.setdefault(layer, []).append((read, nbytes, ms))
