@@ -207,7 +207,8 @@ def test_the_oracle_variant_starts_from_an_empty_cache(tiny_dirs):
         try:
             ids = om.tokenizer.encode(PROMPT)
             _, stats, _ = run_speculative(om, None, ids, max_tokens=12, num_draft=3, predictor=predictor,
-                                          cutoff=None, draft_model=dmodel, draft_config=dconfig)
+                                          cutoff=None, draft_model=dmodel, draft_config=dconfig,
+                                          warm="off")  # cold: a full budget would otherwise be read before decoding
             read[predictor] = (stats.counters["bytes_read"], stats.counters["misses"] + stats.counters["prefetch_loaded"])
         finally:
             om.close()

@@ -53,7 +53,10 @@ def expert_counts(om, source: str | Path) -> dict[int, np.ndarray]:
 
 def warm_keys(om, source: str | Path | None = None) -> list[ExpertKey]:
     """The experts a warm start reads: all of them if every layer's slots hold its experts, else each
-    layer's most used per `source` (none without one), earlier layers first."""
+    layer's most used per `source` (none without one), earlier layers first. `source` "off": none at all
+    (a cold start, e.g. to measure what decoding reads from an empty cache)."""
+    if source == "off":
+        return []
     slots = {l: om.cache.usable_slots(l) for l in om.moe_layers}
     n_experts = {l: om.store.layout(l).n_experts for l in om.moe_layers}
     if all(slots[l] >= n_experts[l] for l in om.moe_layers):
