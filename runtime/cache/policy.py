@@ -75,7 +75,7 @@ class LFUAgingPolicy:
 
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUAgingPolicy, "dlfu": DecayedLFUPolicy}
-DEFAULT_POLICY = "dlfu"  # chosen by replaying the embedded pair's traces (docs/readme/readless.md)
+DEFAULT_POLICY = "dlfu"  # chosen by replaying the embedded pair's traces (docs/read-less.md)
 
 
 def make_policy(name: str, n_slots: int) -> EvictionPolicy:

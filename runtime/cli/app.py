@@ -47,7 +47,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show full traceback
           version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")):
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from runtime.macos.startup import apply_at_startup
+    from runtime.macos import apply_at_startup
 
     _, applied = apply_at_startup(mac_settings)
     if applied:

@@ -2,7 +2,7 @@
 
 Follows mlx-lm's names (`--model`, `--prompt/-p`, `--max-tokens`, `--temp`, `--top-p`, `--top-k`,
 `--min-p`, `--seed`, `--system-prompt`, `-p -` for stdin); the deliberate differences are listed
-in docs/readme/serve.md (e.g. `-m` is `--model` here, as in the rest of this CLI, and
+in docs/serve.md (e.g. `-m` is `--model` here, as in the rest of this CLI, and
 `--max-tokens` is `-n`).
 
 Invariants: a command that takes a model takes it as `-m/--model` and resolves a hub id through

@@ -34,9 +34,9 @@ from runtime.plan import (
     projection_json,
     required_hit_rate,
 )
-from runtime.plan.engine_costs import MLX_FAST_SYNCH_US, specmoe_engine
-from runtime.plan.planner import default_headroom_bytes
-from runtime.plan.prefill_cost import PREFILL_ASSUMPTIONS, max_context_tokens, prefill_time
+from runtime.plan import MLX_FAST_SYNCH_US, specmoe_engine
+from runtime.plan import default_headroom_bytes
+from runtime.plan import PREFILL_ASSUMPTIONS, max_context_tokens, prefill_time
 
 __all__ = ["register", "build_plan", "measured_from_doctor"]
 _PROJECTION_NOTE = PROJECTION_NOTE

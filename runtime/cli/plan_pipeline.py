@@ -30,8 +30,8 @@ def register(app: typer.Typer) -> None:
 
         from runtime.cache import parse_budget
         from runtime.plan import load_model_config, mac_profile, model_costs
-        from runtime.plan.pipeline_plan import link_profile, project_pipeline
-        from runtime.plan.planner import SpecAssumptions
+        from runtime.plan import link_profile, project_pipeline
+        from runtime.plan import SpecAssumptions
 
         name, config, _ = load_model_config(model)
         costs = model_costs(config, bits=bits, name=name)

@@ -15,5 +15,7 @@ from runtime.macos.settings import (
     wired_limit,
 )
 
-__all__ = ["SETTING_NAMES", "MacSetting", "apply_settings", "last_doctor_path", "load_last_doctor",
+from runtime.macos.startup import apply_at_startup  # noqa: E402  (returns at once off macOS)
+
+__all__ = ["apply_at_startup", "SETTING_NAMES", "MacSetting", "apply_settings", "last_doctor_path", "load_last_doctor",
            "parse_switches", "plan_settings", "wired_limit"]

@@ -17,13 +17,15 @@ from runtime.plan.engine_costs import (
 from runtime.plan.mac_profiles import MacProfile, mac_profile, measured_profile
 from runtime.plan.model_costs import ModelCosts, model_costs
 from runtime.plan.model_presets import load_model_config
-from runtime.plan.prefill_cost import PrefillTime, max_context_tokens, prefill_time
+from runtime.plan.pipeline_plan import link_profile, project_pipeline
+from runtime.plan.prefill_cost import PREFILL_ASSUMPTIONS, PrefillTime, max_context_tokens, prefill_time
 from runtime.plan.planner import (
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,
     ForwardTime,
     HitRates,
     SpecAssumptions,
+    default_headroom_bytes,
     forward_time,
     hit_rate_prior_exponent,
     hit_rates,
@@ -37,5 +39,6 @@ __all__ = [
     "MacProfile", "mac_profile", "measured_profile", "ModelCosts", "load_model_config", "model_costs",
     "DEFAULT_SYNC_MS_PER_LAYER", "CostConstants", "ForwardTime", "HitRates", "SpecAssumptions", "forward_time",
     "DEFAULT_LAYER_US", "MLX_DEFAULT_FENCE_US", "MLX_FAST_SYNCH_US", "EngineProfile", "specmoe_engine",
+    "PREFILL_ASSUMPTIONS", "link_profile", "project_pipeline", "default_headroom_bytes",
     "PrefillTime", "prefill_time", "max_context_tokens", "hit_rate_prior_exponent", "hit_rates", "plan_memory", "project", "projection_json", "required_hit_rate",
 ]

@@ -118,7 +118,7 @@ def head_bytes(config: dict, bits: int = 4, group_size: int = 64) -> int:
 
 def split_layers(model: ModelCosts, n_ranks: int, outside_bytes: int) -> list[int]:
     """MoE layers per rank, balanced by bytes as the runtime splits (rank 0 carries `outside_bytes`)."""
-    from runtime.pipeline.split import balanced_split
+    from runtime.pipeline import balanced_split
 
     L = model.n_moe_layers
     per_layer = (model.resident_bytes - outside_bytes) / L + model.expert_total_bytes / L
