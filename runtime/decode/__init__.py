@@ -19,7 +19,7 @@ from runtime.decode.device_pass import DevicePass, PassStats
 from runtime.decode.offloaded_step import offloaded_generate_step
 from runtime.decode.pairing import default_projection_path, load_drafter, make_drafter
 from runtime.decode.prefill import PrefillMeter, PrefillStats
-from runtime.decode.prompt_cache import PromptCache
+from runtime.decode.prompt_cache import PromptCache, common_prefix
 from runtime.decode.plain import GenerationStats, encode_prompt, generate_tokens, stream_tokens
 from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities
 from runtime.decode.speculative import SpecConfig, SpecStats, SpeculativeDecoder
@@ -27,6 +27,7 @@ from runtime.decode.speculative_run import release_drafter, run_speculative, spe
 from runtime.decode.taps import HiddenTaps
 
 __all__ = [
+    "common_prefix",
     "describe_expert_module", "find_expert_modules", "lazy_structure", "match_expert_modules",
     "DraftResult", "Drafter", "ModelDrafter", "check_supported", "text_config", "top_k", "OffloadConfig",
     "OffloadedModel", "DevicePass", "PassStats", "offloaded_generate_step", "default_projection_path", "load_drafter",

@@ -28,27 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.decode.forecast_score import ForecastScore
 from storage import ExpertKey
 
 
 @dataclass
-class DistanceScore:
-    hits: int = 0  # forecast experts the target layer used
-    forecast: int = 0  # experts forecast
-    actual: int = 0  # unique experts the target layer used (in calls that had a forecast)
-
-    @property
-    def recall(self) -> float:
-        return self.hits / self.actual if self.actual else 0.0
-
-    @property
-    def precision(self) -> float:
-        return self.hits / self.forecast if self.forecast else 0.0
-
-
-@dataclass
 class LookaheadStats:
-    by_distance: dict[int, DistanceScore] = field(default_factory=dict)
+    by_distance: dict[int, ForecastScore] = field(default_factory=dict)
     forecasts: int = 0  # target-layer forecasts made
     queued_bytes: int = 0  # bytes of prefetch reads queued
     gated_off: int = 0  # forecasts not queued because the gate had switched prefetch off
@@ -68,9 +54,9 @@ class LookaheadPrefetch:
         self.queue = queue  # False: score only (recall measurements)
         self.min_precision = min_precision
         self.probe = probe
-        self.stats = LookaheadStats({j: DistanceScore() for j in lookahead.distances})
+        self.stats = LookaheadStats({j: ForecastScore() for j in lookahead.distances})
         self._open: dict[int, list[tuple[int, np.ndarray]]] = {}  # target layer -> [(distance, experts)]
-        self._window = DistanceScore()  # precision of queued forecasts since the gate last decided
+        self._window = ForecastScore()  # precision of queued forecasts since the gate last decided
         self._on = True
         self._skipped = 0  # layer calls since the gate switched queueing off
 
@@ -111,7 +97,7 @@ class LookaheadPrefetch:
             return
         if self._on and self._window.forecast >= self.probe:
             self._on = self._window.precision >= self.min_precision
-            self._window = DistanceScore()
+            self._window = ForecastScore()
         elif not self._on:
             self._skipped += 1
             if self._skipped >= 8 * self.probe:

@@ -38,7 +38,7 @@ from mlx.utils import tree_map
 PREFILL_STEP = 2048  # mlx-lm generate_step's prefill_step_size
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -70,7 +70,7 @@ class PromptCache:
 
     def reuse(self, ids: list[int]) -> int:
         """Roll back to the longest reusable prefix of `ids` (at most len(ids) - 1); returns its length."""
-        n = min(_common_prefix(self.tokens, ids), len(ids) - 1)
+        n = min(common_prefix(self.tokens, ids), len(ids) - 1)
         if n == len(self.tokens):
             return n
         if not self.trimmable:  # only back to a snapshot

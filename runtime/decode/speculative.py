@@ -40,6 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps, ExpertForecast
 from runtime.decode.draft_length import DraftLength
+from runtime.decode.forecast_score import ForecastScore
 from runtime.decode.drafter import DraftResult, ModelDrafter
 from runtime.decode.device_pass import DevicePass
 from runtime.decode.prefill import PrefillMeter, PrefillStats
@@ -71,21 +72,6 @@ class SpecConfig:
             raise ValueError(f"--temp {self.temp} / --top-p {self.top_p}; expected temp >= 0 and 0 < top_p <= 1")
         if self.one_sync not in ("auto", "on", "off"):
             raise ValueError(f"--one-sync {self.one_sync!r}; expected auto, on or off")
-
-
-@dataclass
-class ForecastScore:
-    hits: int = 0  # forecast experts the verify pass used
-    forecast: int = 0  # experts forecast
-    actual: int = 0  # unique experts the verify pass used
-
-    @property
-    def recall(self) -> float:
-        return self.hits / self.actual if self.actual else 0.0
-
-    @property
-    def precision(self) -> float:
-        return self.hits / self.forecast if self.forecast else 0.0
 
 
 @dataclass

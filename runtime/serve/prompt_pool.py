@@ -12,16 +12,9 @@ out is the most recently used.
 
 from __future__ import annotations
 
+from runtime.decode import common_prefix
+
 __all__ = ["PromptCachePool", "common_prefix"]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PromptCachePool:
