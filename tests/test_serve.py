@@ -194,14 +194,18 @@ def test_disconnect_mid_stream_cancels_and_the_server_keeps_serving(server, clie
 
 def test_disconnect_while_waiting_for_a_non_streaming_answer_cancels_it(server, client, reference):
     before = _cancelled(server)
+    submitted = get_json(server + "/health")[1]["queue"]["submitted"]
     port = int(server.rsplit(":", 1)[1])
     body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2000}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 60
-        while not get_json(server + "/health")[1]["queue"]["busy"] and time.monotonic() < deadline:
-            time.sleep(0.05)  # generating
+        while time.monotonic() < deadline:  # until *this* request is the one generating (not a previous one)
+            queue = get_json(server + "/health")[1]["queue"]
+            if queue["submitted"] > submitted and queue["busy"] and not queue["queued"]:
+                break
+            time.sleep(0.05)
     deadline = time.monotonic() + 60
     while _cancelled(server) == before and time.monotonic() < deadline:
         time.sleep(0.2)

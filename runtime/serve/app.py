@@ -62,14 +62,21 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 async def _next_event(job: Job, request: Request | None):
-    """The job's next event, or None (and the job cancelled) if a non-streaming client disconnected."""
+    """The job's next event, or None (and the job cancelled) if a non-streaming client disconnected.
+
+    The client is checked at least every _POLL_S seconds, also while events keep arriving: a fast
+    generation puts a text event per token, and checking only when none came would never notice."""
+    loop = asyncio.get_running_loop()
     while True:
+        if request is not None and loop.time() - job.checked_at >= _POLL_S:
+            job.checked_at = loop.time()
+            if await request.is_disconnected():
+                job.cancel.set()
+                return None
         try:
             return await asyncio.wait_for(job.events.get(), timeout=_POLL_S)
         except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                job.cancel.set()
-                return None
+            continue
 
 
 def build_app(state: ServerState) -> Starlette:

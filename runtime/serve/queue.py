@@ -46,6 +46,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+    checked_at: float = 0.0  # event-loop time the request handler last checked its client was still there
 
     def put(self, event: JobEvent) -> None:
         try:
