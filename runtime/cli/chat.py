@@ -87,12 +87,9 @@ def register(app: typer.Typer) -> None:
         min_p: float = opt.min_p_option(),
         seed: int = opt.seed_option(),
         num_draft: int = opt.num_draft_option(),
-        predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch (default: tuned, "
-                                                                "else spmoe)."),
-        cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (default: tuned, "
-                                                          "else all)."),
-        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
-                                                          "(default: tuned, else dlfu)."),
+        predictor: str = opt.predictor_option(),
+        cutoff: int = opt.cutoff_option(),
+        policy: str = opt.policy_option(),
         one_sync: str = typer.Option("auto", "--one-sync", help="One-host-sync decode steps: auto, on or off."),
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),

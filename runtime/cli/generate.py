@@ -99,8 +99,8 @@ def register(app: typer.Typer) -> None:
         adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
                                         help="Lower K round by round while drafts are rejected, down to plain decoding "
                                              "(K=0) with periodic probes; --fixed-k always proposes K."),
-        predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, oracle (default: tuned, else spmoe)."),
-        cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, else all)."),
+        predictor: str = opt.predictor_option(),
+        cutoff: int = opt.cutoff_option(),
         forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default the model's k; 2k covers more, reads more)."),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
         warm: Path = typer.Option(None, "--warm", help="Warm start below a full budget: fill the cache before decoding with "
                                                         "the most used experts of a routing trace (.smtrace) or a JSON of "
                                                         "expert_counts (a full budget always reads every expert first)."),
-        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru (default: tuned, else dlfu)."),
+        policy: str = opt.policy_option(),
         lookahead: int = typer.Option(None, "--lookahead", min=0,
                                       help="Prefetch each MoE layer's experts forecast from the layer this many MoE layers "
                                            "earlier, through its router (0: off; with --draft only for layers past the "

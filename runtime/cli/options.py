@@ -89,6 +89,21 @@ def num_draft_option(default=None, help: str | None = None):
                         f"(K; default: tuned, else {DEFAULT_NUM_DRAFT}).")
 
 
+def predictor_option():
+    return typer.Option(None, "--predictor", help="Expert forecaster for prefetch: none, previous, popularity, spmoe, "
+                                                  "oracle (default: tuned, else spmoe).")
+
+
+def cutoff_option():
+    return typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (0: no prefetch; default: tuned, "
+                                               "else all).")
+
+
+def policy_option():
+    return typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
+                                               "(default: tuned, else dlfu).")
+
+
 def prompt_option(required: bool = True, default: str | None = None):
     return typer.Option(... if required else default, "--prompt", "-p",
                         help="The prompt text ('-' reads it from stdin).")

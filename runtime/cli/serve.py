@@ -27,12 +27,9 @@ def register(app: typer.Typer) -> None:
         top_k: int = opt.top_k_option(),
         min_p: float = opt.min_p_option(),
         num_draft: int = opt.num_draft_option(),
-        predictor: str = typer.Option(None, "--predictor", help="Expert forecaster for prefetch (default: tuned, "
-                                                                "else spmoe)."),
-        cutoff: int = typer.Option(None, "--cutoff", help="Prefetch for the first L MoE layers (default: tuned, "
-                                                          "else all)."),
-        policy: str = typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
-                                                          "(default: tuned, else dlfu)."),
+        predictor: str = opt.predictor_option(),
+        cutoff: int = opt.cutoff_option(),
+        policy: str = opt.policy_option(),
         max_prompt_tokens: int = typer.Option(None, "--max-prompt-tokens", min=1,
                                               help="Refuse longer prompts with HTTP 400 (default: the model's "
                                                    "context length)."),
