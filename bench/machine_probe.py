@@ -8,7 +8,6 @@ jobs, so the bench takes medians over passes. Nothing here predicts; bench_plann
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -28,42 +27,11 @@ def memory_gbps(nbytes: int = 256 << 20, trials: int = 5) -> float:
 
 
 def device_gbps(directory: Path, record_bytes: int, file_bytes: int = 128 << 20, threads: int = 4) -> float:
-    """The disk's own figure, for reference: random O_DIRECT reads of whole expert-sized records, 4 in flight."""
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
+    """The disk's own figure, for reference: cold reads of whole expert-sized records, `threads` in flight
+    (the doctor's probe: O_DIRECT, or F_NOCACHE / dropped pages where that is missing)."""
+    from runtime.doctor import cold_read_gbps
 
-    record = -(-record_bytes // 4096) * 4096  # O_DIRECT wants block-aligned sizes and offsets
-    n_records = file_bytes // record
-    path = directory / "uncached.bin"
-    with open(path, "wb") as handle:
-        for _ in range(n_records):
-            handle.write(os.urandom(record))
-        handle.flush()
-        os.fsync(handle.fileno())
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:  # a filesystem without O_DIRECT: drop the pages and read without readahead
-        from storage.reader import drop_page_cache
-
-        drop_page_cache(path)
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    order = np.random.default_rng(1).permutation(n_records)
-    buffers = [mmap.mmap(-1, record) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
-
-    def read(worker: int) -> None:
-        for i in order[worker::threads]:
-            os.preadv(fd, [buffers[worker]], int(i) * record)
-
-    try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(read, range(threads)))
-        seconds = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        path.unlink()
-    return n_records * record / seconds / 1e9
+    return cold_read_gbps(directory, file_bytes, record_bytes, depths=(threads,))["depths"][str(threads)]["gbps"]
 
 
 class ExpertReads:

@@ -12,5 +12,6 @@ reason, never faked; a failing check does not stop the others; the JSON report i
 
 from runtime.doctor.render import render_report
 from runtime.doctor.run import DOCTOR_VERSION, run_doctor
+from runtime.doctor.ssd_probe import cold_read_gbps
 
-__all__ = ["run_doctor", "render_report", "DOCTOR_VERSION"]
+__all__ = ["run_doctor", "render_report", "DOCTOR_VERSION", "cold_read_gbps"]

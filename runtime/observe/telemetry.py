@@ -92,37 +92,31 @@ class Telemetry:
 
     # -- fed by the modules ------------------------------------------------------------
     def on_call(self, layer: int, ids: np.ndarray, calls: list) -> None:
-        if self._current is None or layer in self._current.layers:
-            self._close()
-            kind = self._label[0] if self._label else ("decode" if ids.shape[0] == 1 else "prefill")
-            self._label = None
-            self._current = RoundRecord(self._n, kind, ids.shape[0])
-            self._n += 1
-        rec = LayerRecord(ids.shape[0], ids.size, len(np.unique(ids)),
-                          sum(c.hits for c in calls), sum(c.misses for c in calls),
-                          sum(c.prefetch_used for c in calls), sum(c.bytes_read for c in calls),
-                          sum(c.stall_ms for c in calls))
-        self._current.layers[layer] = rec
-        self.totals[layer].add(rec)
-        if self.tracing:
-            self._routing[layer] = ids
+        self._record(layer, ids, LayerRecord(ids.shape[0], ids.size, len(np.unique(ids)),
+                                             sum(c.hits for c in calls), sum(c.misses for c in calls),
+                                             sum(c.prefetch_used for c in calls), sum(c.bytes_read for c in calls),
+                                             sum(c.stall_ms for c in calls)))
 
     def on_forward(self, calls: list) -> None:
         """A whole forward's calls at once, [(layer, ids (tokens, k), n_unique, (hits, misses, prefetch_used,
         bytes_read, stall_ms))], in layer order: the same records as on_call() for each, without
         re-deriving the unique experts."""
         for layer, ids, n_unique, (hits, misses, prefetch_used, bytes_read, stall_ms) in calls:
-            if self._current is None or layer in self._current.layers:
-                self._close()
-                kind = self._label[0] if self._label else ("decode" if ids.shape[0] == 1 else "prefill")
-                self._label = None
-                self._current = RoundRecord(self._n, kind, ids.shape[0])
-                self._n += 1
-            rec = LayerRecord(ids.shape[0], ids.size, n_unique, hits, misses, prefetch_used, bytes_read, stall_ms)
-            self._current.layers[layer] = rec
-            self.totals[layer].add(rec)
-            if self.tracing:
-                self._routing[layer] = ids
+            self._record(layer, ids, LayerRecord(ids.shape[0], ids.size, n_unique, hits, misses, prefetch_used,
+                                                 bytes_read, stall_ms))
+
+    def _record(self, layer: int, ids: np.ndarray, rec: LayerRecord) -> None:
+        """File one layer call; a layer seen again in the open round starts a new round."""
+        if self._current is None or layer in self._current.layers:
+            self._close()
+            kind = self._label[0] if self._label else ("decode" if ids.shape[0] == 1 else "prefill")
+            self._label = None
+            self._current = RoundRecord(self._n, kind, ids.shape[0])
+            self._n += 1
+        self._current.layers[layer] = rec
+        self.totals[layer].add(rec)
+        if self.tracing:
+            self._routing[layer] = ids
 
     def _close(self, keep_tokens: int | None = None) -> None:
         r = self._current
