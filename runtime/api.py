@@ -188,12 +188,10 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
                                sampler=sampler, progress=progress, prompt_cache=prompt_cache, kv_bits=kv_bits,
                                warm=warm)
     else:
-        if temp > 0 and (top_k > 0 or min_p > 0):
-            raise ValueError("top_k / min_p with a drafter at temp > 0: not supported yet; use top_p, or no drafter")
         d = engine.draft
         decoder = speculative_decoder(om, d.path, ids, max_tokens=max_tokens, num_draft=d.num_draft,
                                       predictor=d.predictor, cutoff=d.cutoff, projection=d.projection, temp=temp,
-                                      top_p=top_p, seed=0 if seed is None else seed, eos_ids=eos,
+                                      top_p=top_p, top_k=top_k, min_p=min_p, seed=0 if seed is None else seed, eos_ids=eos,
                                       draft_model=engine._draft_model, draft_config=engine._draft_config,
                                       one_sync=one_sync, forecast_k=d.forecast_k,
                                       max_prefetch_bytes=d.max_prefetch_bytes, adaptive_k=d.adaptive_k,

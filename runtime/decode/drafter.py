@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps
-from runtime.decode.sampling import probabilities, sample
+from runtime.decode.sampling import Sampling, sample
 from runtime.decode.taps import HiddenTaps
 
 
@@ -32,7 +32,7 @@ class DraftResult:
 
 class Drafter(Protocol):
     def prefill(self, ids: list[int]) -> None: ...
-    def propose(self, k: int, *, temp: float, top_p: float, rng: np.random.Generator,
+    def propose(self, k: int, *, sampling: Sampling | None = None, rng: np.random.Generator | None = None,
                 on_step: Callable[[DraftTaps], None] | None = None) -> DraftResult: ...
     def settle(self, n_accepted: int, next_token: int) -> None: ...
     def skip(self, token: int) -> None: ...
@@ -66,13 +66,15 @@ class ModelDrafter:
             taps.attention.append({l: r["h"][0, -1] - r["x"][0, -1] for l, r in rec.items()})
         return logits
 
-    def propose(self, k, *, temp=0.0, top_p=1.0, rng=None, on_step=None) -> DraftResult:
+    def propose(self, k, *, sampling=None, rng=None, on_step=None) -> DraftResult:
+        """K proposals: the argmax when `sampling` is None or greedy, else drawn from the drafter's
+        distribution under the target's sampler settings (q; any q keeps the target's p)."""
         taps, tokens, qs = DraftTaps(), [], []
         feed = self.pending
         for _ in range(k):
             logits = self._step(feed, taps)
-            if temp > 0:
-                q = np.array(probabilities(logits, temp, top_p), np.float64)
+            if sampling is not None and not sampling.greedy:
+                q = np.array(sampling.probabilities(logits), np.float64)
                 token = sample(q, rng)
                 qs.append(q)
             else:

@@ -9,29 +9,59 @@ accepted with probability min(1, p_i(d_i) / q_i(d_i)); on the first rejection
 the token is drawn from the residual norm(max(p_i - q_i, 0)); if every draft is
 accepted a bonus token is drawn from p_{K+1}. Each emitted token is then
 distributed exactly as the target's p, whatever q is. p and q are the
-distributions *after* temperature and top-p, so the target keeps its sampler.
+distributions mlx-lm's `make_sampler` draws from (its top-p, min-p and top-k
+filters on the log-probabilities, then the temperature), so speculative sampling
+keeps exactly the target's sampler, filters included.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 
-def probabilities(logits: mx.array, temp: float, top_p: float = 1.0) -> mx.array:
-    """Sampling distribution (..., V) for `logits` under temperature and nucleus top-p."""
+@dataclass(frozen=True)
+class Sampling:
+    """A target's sampler settings, as mlx-lm's make_sampler takes them (temp 0: greedy)."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+
+    def __post_init__(self):
+        if self.temp < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"--temp {self.temp} / --top-p {self.top_p}; expected temp >= 0 and 0 < top_p <= 1")
+        if self.top_k < 0 or not 0 <= self.min_p <= 1:
+            raise ValueError(f"--top-k {self.top_k} / --min-p {self.min_p}; expected top_k >= 0 and 0 <= min_p <= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp <= 0
+
+    def probabilities(self, logits: mx.array) -> mx.array:
+        return probabilities(logits, self.temp, self.top_p, self.top_k, self.min_p)
+
+
+def probabilities(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> mx.array:
+    """The distribution (..., V) mlx-lm's make_sampler(temp, top_p, min_p, top_k) draws from for `logits`.
+
+    Same filters, same order, on the temperature-1 log-probabilities (mlx-lm's own functions), then
+    the temperature: a filter applied after the temperature would keep a different set of tokens."""
     if temp <= 0:
         raise ValueError("probabilities() is for sampling; temperature must be > 0")
-    p = mx.softmax(logits.astype(mx.float32) / temp, axis=-1)
-    if top_p < 1.0:
-        order = mx.argsort(-p, axis=-1)
-        sorted_p = mx.take_along_axis(p, order, axis=-1)
-        keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < top_p  # always keeps the top token
-        inverse = mx.argsort(order, axis=-1)
-        keep = mx.take_along_axis(keep_sorted, inverse, axis=-1)
-        p = mx.where(keep, p, 0.0)
-        p = p / p.sum(axis=-1, keepdims=True)
-    return p
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    if min_p != 0.0:
+        logprobs = apply_min_p(logprobs, min_p)
+    if top_k > 0:
+        logprobs = apply_top_k(logprobs, top_k)
+    return mx.softmax(logprobs * (1.0 / temp), axis=-1)
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:

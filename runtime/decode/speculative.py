@@ -46,7 +46,7 @@ from runtime.decode.device_pass import DevicePass
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 from runtime.decode.warm import warm_start
-from runtime.decode.sampling import accept_greedy, accept_sampled, probabilities, sample
+from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, sample
 from storage import ExpertKey
 
 
@@ -57,6 +57,8 @@ class SpecConfig:
     max_prefetch_bytes: int | None = None  # per round; None: no cap beyond the cache itself
     temp: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    top_k: int = 0  # mlx-lm's sampler filters (0: off); the target's distribution keeps them
+    min_p: float = 0.0
     seed: int = 0
     prefill_chunk: int = 512  # prompt tokens per target forward during prefill
     warm: str | None = None  # warm start source (runtime/decode/warm.py); a full budget always warms
@@ -68,10 +70,13 @@ class SpecConfig:
             raise ValueError(f"--num-draft {self.num_draft}; expected K >= 1")
         if self.cutoff is not None and self.cutoff < 0:
             raise ValueError(f"--cutoff {self.cutoff}; expected 0 (no prefetch) up to the number of MoE layers")
-        if self.temp < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"--temp {self.temp} / --top-p {self.top_p}; expected temp >= 0 and 0 < top_p <= 1")
+        self.sampling  # validates temp, top_p, top_k, min_p
         if self.one_sync not in ("auto", "on", "off"):
             raise ValueError(f"--one-sync {self.one_sync!r}; expected auto, on or off")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temp, self.top_p, self.top_k, self.min_p)
 
 
 @dataclass
@@ -173,7 +178,7 @@ class SpeculativeDecoder:
         self._forecast, self._queued, self._round_bytes = ExpertForecast.empty(), set(), 0
         if k == 0:  # a plain round: no drafter work, no forecast
             return DraftResult([], None, DraftTaps())
-        draft = self.drafter.propose(k, temp=self.cfg.temp, top_p=self.cfg.top_p, rng=self.rng,
+        draft = self.drafter.propose(k, sampling=self.cfg.sampling, rng=self.rng,
                                      on_step=self._forecast_and_prefetch)
         self.stats.draft_s += time.perf_counter() - t0
         return draft
@@ -216,7 +221,7 @@ class SpeculativeDecoder:
     def _accept(self, draft, logits: mx.array) -> tuple[int, int]:
         if self.cfg.temp == 0:
             return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
-        p = np.array(probabilities(logits, self.cfg.temp, self.cfg.top_p), np.float64)
+        p = np.array(self.cfg.sampling.probabilities(logits), np.float64)
         if not draft.tokens:  # a plain round: the target's own sample
             return 0, sample(p[0], self.rng)
         # Padded vocabularies may differ in length: accept_sampled pads the shorter with zeros

@@ -18,7 +18,7 @@ from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
 
 def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_tokens: int, num_draft: int, predictor: str,
                         cutoff: int | None, projection: Path | None = None, temp: float = 0.0, top_p: float = 1.0,
-                        seed: int = 0, eos_ids=(), max_prefetch_bytes: int | None = None, draft_model=None,
+                        top_k: int = 0, min_p: float = 0.0, seed: int = 0, eos_ids=(), max_prefetch_bytes: int | None = None, draft_model=None,
                         draft_config=None, one_sync: str = "auto", forecast_k: int | None = None,
                         forecast_limit: int | None = None, adaptive_k: bool = True, lookahead: int = 0,
                         lookahead_experts: int | None = None, warm: str | None = None) -> SpeculativeDecoder:
@@ -31,14 +31,15 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
     per token (default the target's k); 0 detaches any lookahead."""
     if draft_model is None:
         draft_model, draft_config = load_drafter(draft_dir, om)
-    cfg = SpecConfig(num_draft=num_draft, cutoff=cutoff, temp=temp, top_p=top_p, seed=seed,
+    cfg = SpecConfig(num_draft=num_draft, cutoff=cutoff, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                      max_prefetch_bytes=max_prefetch_bytes, one_sync=one_sync, adaptive_k=adaptive_k, warm=warm)
     recording = None
     if predictor == "oracle":
         if ids is None:
             raise ValueError("--predictor oracle replays a recorded run; it needs the prompt up front")
         recorder = RoutingRecorder()
-        rec_cfg = SpecConfig(num_draft=num_draft, cutoff=0, temp=temp, top_p=top_p, seed=seed, adaptive_k=adaptive_k)
+        rec_cfg = SpecConfig(num_draft=num_draft, cutoff=0, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                             adaptive_k=adaptive_k)
         SpeculativeDecoder(om, make_drafter(draft_model, "none"), recorder, rec_cfg).generate(ids, max_tokens, eos_ids)
         recording = recorder.rounds
         om.empty_cache()  # the measured run must start as cold as every other variant

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from predictor import make_predictor
-from runtime.decode import SpecConfig, accept_greedy, accept_sampled, probabilities, text_config, top_k
+from runtime.decode import SpecConfig, accept_greedy, accept_sampled, text_config, top_k
 from runtime.pipeline.generation import PipelineStats
 from storage import ExpertKey
 
@@ -93,13 +93,13 @@ class PipelineSpeculative:
     def _accept(self, draft, logits: mx.array) -> tuple[int, int]:
         if self.cfg.temp == 0:
             return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
-        p = np.array(probabilities(logits, self.cfg.temp, self.cfg.top_p), np.float64)
+        p = np.array(self.cfg.sampling.probabilities(logits), np.float64)
         return accept_sampled(draft.tokens, draft.q, p, self.rng)  # pads the shorter vocabulary: no target mass lost
 
     def step(self, pending: int) -> list[int]:
         self._round += 1
         self._queued = set()
-        draft = self.drafter.propose(self.cfg.num_draft, temp=self.cfg.temp, top_p=self.cfg.top_p, rng=self.rng,
+        draft = self.drafter.propose(self.cfg.num_draft, sampling=self.cfg.sampling, rng=self.rng,
                                      on_step=self._forecast_and_prefetch)
         window = [pending] + draft.tokens
         logits = self.driver.window(window, keep=True, round_id=self._round)[0]  # (K+1, V)

@@ -85,7 +85,6 @@ def build_app(state: ServerState) -> Starlette:
             body = parse_json(await request.body())
             req = parse_completion(body, kind, state.defaults)
             state.check_model(req.model)
-            state.backend.check(req)
             try:
                 ids = state.backend.encode(req)
             except Exception as e:  # e.g. a chat template that rejects this sequence of roles

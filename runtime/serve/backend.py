@@ -63,14 +63,6 @@ class Backend:
         bos = getattr(tok, "bos_token", None)
         return list(tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
 
-    def check(self, request) -> None:
-        """Refuse settings this engine cannot serve (RequestError, 400) before the request is queued."""
-        from runtime.serve.validation import RequestError
-
-        if self.engine.draft is not None and request.temperature > 0 and (request.top_k > 0 or request.min_p > 0):
-            raise RequestError("'top_k' and 'min_p' with temperature > 0 are not supported with speculative decoding "
-                               "(this server runs a drafter); use top_p", param="top_k" if request.top_k else "min_p")
-
     def encode(self, request) -> list[int]:
         return self.encode_messages(request.messages) if request.kind == "chat" else self.encode_text(request.prompt)
 
