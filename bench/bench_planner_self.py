@@ -187,11 +187,11 @@ def decode_once(model, tokenizer, prompt: str, n_tokens: int, om=None) -> tuple[
 
 def store_costs(path: Path, store) -> ModelCosts:
     """ModelCosts from config.json, with bytes from the store (its scales may be 32-bit)."""
-    from runtime.plan import model_costs
+    from runtime.plan import config_quantization, model_costs
 
     config = store.config
-    quant = config.get("quantization") or {}
-    costs = model_costs(config, bits=quant.get("bits", 16), group_size=quant.get("group_size", 64), name=path.name)
+    bits, group_size, mode = config_quantization(config) or (16, 64, "affine")
+    costs = model_costs(config, bits=bits, group_size=group_size, mode=mode, name=path.name)
     resident = store.resident_tensors()
     embed_bytes = sum(t.nbytes for name, t in resident.items() if name.startswith("model.embed_tokens."))
     act_bytes = 4 if resident["model.norm.weight"].dtype == "F32" else 2  # KV is kept in the activation dtype

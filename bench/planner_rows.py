@@ -70,6 +70,7 @@ class Row:
     note: str  # assumptions made for this row
     ssd_gbps: float | None = None  # the row's own SSD figure when the source gives one
     cache_fraction: float | None = None  # app cache as a share of expert bytes (instead of cache_bytes)
+    quant_mode: str = "affine"  # mlx quantization mode the row's checkpoint uses (gpt-oss: mxfp4)
 
 
 _PAGE = "pread + OS page cache, per-layer sync"
@@ -97,13 +98,13 @@ ROWS = (
     Row("m4air-gptoss20b", "raw Metal streaming", "godwit", "m4-16gb", 256, "gpt-oss-20b", 4, None, 0, False,
         None, 3.0, "[GW] Godwit RESULTS.md",
         "raw Metal; F_NOCACHE reads (no page cache); LFU 8 of 32 slots per layer; CPU norm+residual per layer",
-        "2.8-3.2 tok/s, midpoint; MXFP4 experts (13.2 MB) projected as mlx 4-bit (14.0 MB); hit rate not "
-        "published: prior", ssd_gbps=2.15, cache_fraction=0.25),
+        "2.8-3.2 tok/s, midpoint; MXFP4 experts (13.2 MB, priced as mxfp4); hit rate not published: prior",
+        ssd_gbps=2.15, cache_fraction=0.25, quant_mode="mxfp4"),
     Row("m4air-gptoss120b", "raw Metal streaming", "godwit", "m4-16gb", 256, "gpt-oss-120b", 4, None, 0, False,
         0.40, 1.45, "[GW] Godwit RESULTS.md",
         "raw Metal; F_NOCACHE reads; LFU 8 of 128 slots per layer (38-42% hits published); CPU norm+residual",
-        "1.4-1.5 tok/s, midpoint; MXFP4 projected as mlx 4-bit; SSD ~2 GiB/s measured by [GW]",
-        ssd_gbps=2.15, cache_fraction=8 / 128),
+        "1.4-1.5 tok/s, midpoint; MXFP4 experts priced as mxfp4; SSD ~2 GiB/s measured by [GW]",
+        ssd_gbps=2.15, cache_fraction=8 / 128, quant_mode="mxfp4"),
     Row("m1pro-36b-qwisp", "raw Metal streaming", "qwisp-stream", "m1pro-16gb", 512, "qwen3.6-35b-a3b", 4, None, 0,
         False, None, 2.3, "[QW] qwisp #41 strict", "raw Metal outside MLX; 128 of 256 experts per layer pinned; MTP "
         "speculation in strict mode not stated", "one report; checkpoint ~4-bit (MTPLX ~20 GB); hit rate: prior",

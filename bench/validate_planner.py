@@ -51,7 +51,7 @@ ENGINE_SCRATCH_BYTES = 200_000_000  # [FM]: ~200 MB of Metal scratch beside the 
 @lru_cache(maxsize=None)
 def _inputs(row: Row):
     name, config, _ = load_model_config(row.model)
-    model = model_costs(config, bits=row.bits, top_k=row.top_k, name=name)
+    model = model_costs(config, bits=row.bits, top_k=row.top_k, name=name, mode=row.quant_mode)
     mac = mac_profile(row.mac, ssd_capacity_gb=row.ssd_gb)
     if row.ssd_gbps is not None:
         mac = replace(mac, ssd_read_gbps=row.ssd_gbps)

@@ -23,7 +23,7 @@ from runtime.cache import parse_budget
 from runtime.cli.options import BUDGET_HELP, DEFAULT_BUDGET, DEFAULT_NUM_DRAFT
 from runtime.cli.plan_render import PROJECTION_NOTE, render_plan
 from runtime.plan import mac_profile
-from runtime.plan import load_model_config, model_costs
+from runtime.plan import config_quantization, load_model_config, model_costs
 from runtime.plan import (
     DEFAULT_SYNC_MS_PER_LAYER,
     CostConstants,
@@ -59,13 +59,25 @@ def _gb(n_bytes: float) -> float:
     return round(n_bytes / 1e9, 3)
 
 
+def resolve_quantization(config: dict, bits: int | None, group_size: int | None,
+                         mode: str | None) -> tuple[int, int, str]:
+    """(bits, group size, mode): the flags where given, else the config.json's own `quantization`
+    (an mlx-lm checkpoint), else 4-bit affine group 64. A --bits or --group-size without --quant-mode
+    means affine: the flags describe an affine model."""
+    own = config_quantization(config) if bits is None and group_size is None and mode is None else None
+    if own is not None:
+        return own
+    return (4 if bits is None else bits), (64 if group_size is None else group_size), (mode or "affine")
+
+
 def build_plan(
     *,
     model_ref: str,
     mac_name: str,
     budget_text: str = "auto",
-    bits: int = 4,
-    group_size: int = 64,
+    bits: int | None = None,
+    group_size: int | None = None,
+    quant_mode: str | None = None,
     top_k: int | None = None,
     context_tokens: int = 4096,
     ssd_gb: int | None = None,
@@ -99,7 +111,8 @@ def build_plan(
     if syncs_per_token is not None and repairs_per_token is None:
         raise ValueError("--syncs-per-token needs --repairs-per-token too (measured syncs include the repairs' own)")
     name, config, config_source = load_model_config(model_ref)
-    model = model_costs(config, bits=bits, group_size=group_size, top_k=top_k, name=name)
+    bits, group_size, quant_mode = resolve_quantization(config, bits, group_size, quant_mode)
+    model = model_costs(config, bits=bits, group_size=group_size, top_k=top_k, name=name, mode=quant_mode)
     mac = mac_profile(mac_name, ssd_capacity_gb=ssd_gb, wired_limit_mb=wired_limit_mb)
     budget = parse_budget(budget_text)
     if headroom_gb is not None and headroom_gb < 0:
@@ -144,7 +157,7 @@ def build_plan(
         "note": _PROJECTION_NOTE,
         "model": {
             "name": model.name, "config_source": config_source, "model_type": model.model_type,
-            "bits": model.bits, "group_size": model.group_size, "n_moe_layers": model.n_moe_layers,
+            "bits": model.bits, "group_size": model.group_size, "quant_mode": model.quant_mode, "n_moe_layers": model.n_moe_layers,
             "n_experts": model.n_experts, "top_k": model.top_k,
             "expert_mb": round(model.expert_bytes / 1e6, 3), "experts_gb": _gb(model.expert_total_bytes),
             "resident_gb": _gb(model.resident_bytes), "kv_kb_per_token": round(model.kv_bytes_per_token / 1e3, 2),
@@ -234,8 +247,16 @@ def plan_command(
     model: Annotated[str, _opt("--model", "-m", "Preset (e.g. qwen3.5-35b-a3b) or path to a config.json.")],
     mac: Annotated[str, _opt("--mac", "Mac as CHIP-RAMgb: m4-16gb, m1pro-16gb, m3max-48gb.")],
     budget: Annotated[str, _opt("--budget", "-b", BUDGET_HELP)] = DEFAULT_BUDGET,
-    bits: Annotated[int, _opt("--bits", "Weight bits (mlx affine); 16 = unquantized.")] = 4,
-    group_size: Annotated[int, _opt("--group-size", "Quantization group size.")] = 64,
+    bits: Annotated[
+        Optional[int], _opt("--bits", "Weight bits (mlx affine); 16 = unquantized. Default: the config's, else 4.")
+    ] = None,
+    group_size: Annotated[
+        Optional[int], _opt("--group-size", "Quantization group size. Default: the config's, else 64.")
+    ] = None,
+    quant_mode: Annotated[
+        Optional[str], _opt("--quant-mode", "affine, mxfp4, nvfp4 or mxfp8 (e.g. gpt-oss ships MXFP4 experts). "
+                            "Default: the config's, else affine.")
+    ] = None,
     top_k: Annotated[Optional[int], _opt("--experts-per-tok", "Experts per token (default: the model's).")] = None,
     context: Annotated[int, _opt("--context", "Context length in tokens for the KV bytes.")] = 4096,
     ssd_gb: Annotated[Optional[int], _opt("--ssd-gb", "Internal SSD size in GB (256 GB reads slower).")] = None,
@@ -269,7 +290,8 @@ def plan_command(
     """Will MODEL fit on MAC, and how fast would it decode? (memory breakdown + projected tok/s)"""
     try:
         results = build_plan(
-            model_ref=model, mac_name=mac, budget_text=budget, bits=bits, group_size=group_size, top_k=top_k,
+            model_ref=model, mac_name=mac, budget_text=budget, bits=bits, group_size=group_size,
+            quant_mode=quant_mode, top_k=top_k,
             context_tokens=context, ssd_gb=ssd_gb, wired_limit_mb=wired_limit_mb, headroom_gb=headroom_gb,
             hit_rate=hit_rate, page_cache=page_cache, target_tok_s=target_tok_s, draft_len=draft_len,
             acceptance=acceptance, drafter_gb=drafter_gb, overlap_scale=overlap_scale,

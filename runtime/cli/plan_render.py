@@ -20,7 +20,7 @@ PROJECTION_NOTE = "every speed in this plan is a PROJECTION of the planner's cos
 def render_plan(results: dict[str, Any], console: Console) -> None:
     """Print a plan dict (from build_plan) as rich tables."""
     model, mac, memory = results["model"], results["mac"], results["memory"]
-    console.print(f"[bold]{model['name']}[/] ({model['bits']}-bit, group {model['group_size']}) on "
+    console.print(f"[bold]{model['name']}[/] ({_quant(model)}) on "
                   f"[bold]{mac['label']}[/]")
     table = Table(title="Model", show_header=False)
     for key, value in (
@@ -102,3 +102,9 @@ def render_plan(results: dict[str, Any], console: Console) -> None:
         console.print(f"[dim]assumed: {line}[/]")
     console.print(f"[dim]{PROJECTION_NOTE}; hit-rate prior h = c^{hit_rate_prior_exponent():.3f}; "
                   f"prefetch assumes recall {results['prefetch_recall']:.2f} and no memory contention[/]")
+
+
+def _quant(model: dict) -> str:
+    """'4-bit, group 64' for affine; 'mxfp4' for a microscaled mode (its bits and group are fixed)."""
+    mode = model.get("quant_mode", "affine")
+    return f"{model['bits']}-bit, group {model['group_size']}" if mode == "affine" else mode

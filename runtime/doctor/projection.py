@@ -48,14 +48,14 @@ def machine_rates(quick: bool) -> dict:
 def project_rows(decode: list[dict], rates: dict, ssd: dict, sync_us: float, ram_bytes: int) -> dict:
     """Projected tok/s for each measured decode row, and the per-layer time the plain rows imply."""
     from runtime.checkpoints import embedded_pair
-    from runtime.plan import CostConstants, HitRates, SpecAssumptions, forward_time, measured_profile, model_costs
+    from runtime.plan import CostConstants, HitRates, SpecAssumptions, config_quantization, forward_time
+    from runtime.plan import measured_profile, model_costs
     from runtime.plan import project, specmoe_engine
 
     pair = embedded_pair()
     config = json.loads((Path(pair.target) / "config.json").read_text())
-    quant = config.get("quantization") or {}
-    model = model_costs(config, bits=int(quant.get("bits", 4)), group_size=int(quant.get("group_size", 64)),
-                        name="embedded target")
+    bits, group_size, mode = config_quantization(config) or (4, 64, "affine")
+    model = model_costs(config, bits=bits, group_size=group_size, mode=mode, name="embedded target")
     depth4 = ssd.get("depths", {}).get("4", {}).get("gbps") or 1.0
     mac = measured_profile("this machine", ram_bytes=ram_bytes, mem_bandwidth_gbps=rates["mem_copy_gbps"],
                            ssd_read_gbps=depth4, page_cache_read_gbps=ssd.get("hot_gbps") or depth4,

@@ -15,7 +15,7 @@ from runtime.plan.engine_costs import (
     specmoe_engine,
 )
 from runtime.plan.mac_profiles import MacProfile, mac_profile, measured_profile
-from runtime.plan.model_costs import ModelCosts, model_costs
+from runtime.plan.model_costs import QUANT_MODES, ModelCosts, config_quantization, model_costs
 from runtime.plan.model_presets import load_model_config
 from runtime.plan.pipeline_plan import link_profile, project_pipeline
 from runtime.plan.prefill_cost import PREFILL_ASSUMPTIONS, PrefillTime, max_context_tokens, prefill_time
@@ -36,7 +36,8 @@ from runtime.plan.planner import (
 )
 
 __all__ = [
-    "MacProfile", "mac_profile", "measured_profile", "ModelCosts", "load_model_config", "model_costs",
+    "MacProfile", "mac_profile", "measured_profile", "ModelCosts", "QUANT_MODES", "config_quantization",
+    "load_model_config", "model_costs",
     "DEFAULT_SYNC_MS_PER_LAYER", "CostConstants", "ForwardTime", "HitRates", "SpecAssumptions", "forward_time",
     "DEFAULT_LAYER_US", "MLX_DEFAULT_FENCE_US", "MLX_FAST_SYNCH_US", "EngineProfile", "specmoe_engine",
     "PREFILL_ASSUMPTIONS", "link_profile", "project_pipeline", "default_headroom_bytes",

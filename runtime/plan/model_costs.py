@@ -3,11 +3,14 @@
 `model_costs(config, bits=4)` turns an HF-style config (a local file or a preset from
 `data/model_presets.json`, see model_presets.py) into a frozen `ModelCosts`: what stays resident,
 what pages, what one token reads. Weight counts come from model_families.py; bytes follow mlx
-affine quantization.
+quantization: affine (the default) or a microscaled mode (mxfp4, nvfp4, mxfp8).
 
 Invariants:
 - Quantized weights cost bits/8 + 4/group_size bytes each (an fp16 scale and an fp16 bias per
-  group): 4-bit group 64 -> 0.5625 bytes/weight. Routers of qwen3*/gpt_oss stay 8-bit, as
+  group): 4-bit group 64 -> 0.5625 bytes/weight. Microscaled modes fix bits and group and keep one
+  uint8 scale per group, no bias: mxfp4 -> 0.53125, nvfp4 -> 0.5625, mxfp8 -> 1.03125 (as
+  mx.quantize lays them out; tests/test_planner.py checks against it). A config.json's own
+  `quantization` block gives bits, group size and mode when the caller does not. Routers of qwen3*/gpt_oss stay 8-bit, as
   mlx-lm's quant_predicate keeps them; norms, biases, conv kernels and sinks stay 16-bit.
 - "Resident" is everything except routed experts; shared experts are resident.
 - One decode token reads the resident weights except the embedding table (one row of it) plus
@@ -22,11 +25,15 @@ from typing import Any
 
 from runtime.plan.model_families import FP16_BYTES, SUPPORTED_MODEL_TYPES, config_int, family_weights
 
-__all__ = ["ModelCosts", "affine_bytes_per_weight", "model_costs", "text_config", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["ModelCosts", "QUANT_MODES", "affine_bytes_per_weight", "bytes_per_weight", "config_quantization",
+           "model_costs", "text_config", "SUPPORTED_MODEL_TYPES"]
 
 _FP16_BYTES = FP16_BYTES
 _VALID_BITS = (2, 3, 4, 5, 6, 8, 16)
 _VALID_GROUPS = (32, 64, 128)
+# mlx's microscaled modes: (bits, group size); each group has one uint8 scale and no bias.
+_MICROSCALED = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+QUANT_MODES = ("affine", *_MICROSCALED)
 
 
 def affine_bytes_per_weight(bits: int, group_size: int = 64) -> float:
@@ -38,6 +45,28 @@ def affine_bytes_per_weight(bits: int, group_size: int = 64) -> float:
     if group_size not in _VALID_GROUPS:
         raise ValueError(f"--group-size must be one of {_VALID_GROUPS}, got {group_size!r}")
     return bits / 8 + 2 * _FP16_BYTES / group_size
+
+
+def bytes_per_weight(bits: int, group_size: int = 64, mode: str = "affine") -> float:
+    """Bytes per weight in mlx quantization `mode`; microscaled modes ignore bits/group_size (fixed)."""
+    if mode == "affine":
+        return affine_bytes_per_weight(bits, group_size)
+    if mode not in _MICROSCALED:
+        raise ValueError(f"--quant-mode must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
+    mode_bits, group = _MICROSCALED[mode]
+    return mode_bits / 8 + 1 / group
+
+
+def config_quantization(config: dict[str, Any]) -> tuple[int, int, str] | None:
+    """(bits, group_size, mode) of an mlx-lm checkpoint's config.json `quantization`, or None when
+    it has none (an unquantized or upstream config)."""
+    quant = config.get("quantization") if isinstance(config, dict) else None
+    if not isinstance(quant, dict):
+        return None
+    mode = str(quant.get("mode", "affine"))
+    if mode in _MICROSCALED:
+        return (*_MICROSCALED[mode], mode)
+    return int(quant.get("bits", 4)), int(quant.get("group_size", 64)), mode
 
 
 @dataclass(frozen=True)
@@ -61,6 +90,7 @@ class ModelCosts:
     window_tokens: int  # sliding window length (0 when none)
     state_bytes: int  # fixed recurrent state of linear-attention layers
     active_params_per_token: int  # weights one token multiplies (for the compute roofline)
+    quant_mode: str = "affine"  # mlx quantization mode of the weights (affine, mxfp4, nvfp4, mxfp8)
 
     @property
     def experts_read_per_token(self) -> int:
@@ -100,11 +130,15 @@ def model_costs(
     group_size: int = 64,
     top_k: int | None = None,
     name: str = "",
+    mode: str = "affine",
 ) -> ModelCosts:
-    """Costs of `config` at mlx affine `bits`/`group_size`; `top_k` overrides experts per token."""
+    """Costs of `config` at mlx `bits`/`group_size` in quantization `mode` (a microscaled mode fixes
+    both); `top_k` overrides experts per token. Routers mlx-lm keeps at 8 bits stay 8-bit affine."""
     model_type, cfg = text_config(config)
     weights = family_weights(model_type, cfg)
-    per_weight = affine_bytes_per_weight(bits, group_size)
+    per_weight = bytes_per_weight(bits, group_size, mode)
+    if mode in _MICROSCALED:
+        bits, group_size = _MICROSCALED[mode]
     router_per_weight = affine_bytes_per_weight(8, 64) if weights.router_8bit and bits < 16 else per_weight
     k = weights.top_k if top_k is None else top_k
     if not isinstance(k, int) or not 1 <= k <= weights.n_experts:
@@ -140,4 +174,5 @@ def model_costs(
         window_tokens=weights.window_tokens,
         state_bytes=weights.state_bytes,
         active_params_per_token=non_embedding_params + k * weights.n_moe_layers * weights.expert,
+        quant_mode=mode,
     )
