@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -107,16 +108,29 @@ def measure(args) -> dict:
         row["gmacs_stock"] = n_pairs * macs_per_pair / row["stock_ms"] / 1e6
         row["gmacs_reference"] = n_pairs * macs_per_pair / row["reference_ms"] / 1e6
         rows.append(row)
-    base = rows[0]
+    # Ratios are taken within one round (T against T=1, stock against reference), then summarized as
+    # median [min-max] over rounds: a busy neighbour during one round moves that round's pair together.
     for row in rows:
         for variant in ("stock", "reference", "kernel"):
-            ms = row[f"{variant}_ms"]
-            row[f"{variant}_ratio"] = None if ms is None else ms / base[f"{variant}_ms"]
+            samples, base = times.get((row["tokens"], variant)), times.get((1, variant))
+            if samples is None:
+                row[f"{variant}_ratio"] = row[f"{variant}_ratio_min"] = row[f"{variant}_ratio_max"] = None
+                continue
+            per_round = [a / b for a, b in zip(samples, base)]
+            row[f"{variant}_ratio"] = statistics.median(per_round)
+            row[f"{variant}_ratio_min"], row[f"{variant}_ratio_max"] = min(per_round), max(per_round)
+            row[f"{variant}_ms_min"], row[f"{variant}_ms_max"] = min(samples), max(samples)
+        per_round = [a / b for a, b in zip(times[(row["tokens"], "stock")], times[(row["tokens"], "reference")])]
+        row["stock_over_reference"] = statistics.median(per_round)
+        row["stock_over_reference_min"], row["stock_over_reference_max"] = min(per_round), max(per_round)
+        lo, hi = row["stock_over_reference_min"], row["stock_over_reference_max"]
+        row["reference_verdict"] = ("reference faster" if lo > 1 else "stock faster" if hi < 1
+                                    else "within the noise")
         row["bandwidth_bound_ratio"] = row["unique"] / args.top_k  # projection: expert part, dedup, Metal
     return {"bench": "verify", "device": str(mx.default_device()), "metal": metal, "mlx": mx.__version__,
             "shapes": {"d_model": args.d_model, "hidden": args.hidden, "experts": args.experts, "top_k": args.top_k,
                        "bits": args.bits, "group_size": args.group_size, "activations": "float32"},
-            "expert_bytes": per_expert, "trials": args.trials, "rows": rows}
+            "expert_bytes": per_expert, "trials": args.trials, "load_avg": os.getloadavg(), "rows": rows}
 
 
 def _fmt(value, spec: str) -> str:
@@ -127,17 +141,23 @@ def print_table(result: dict) -> None:
     s = result["shapes"]
     print(f"one MoE layer, D={s['d_model']} H={s['hidden']} E={s['experts']} top-{s['top_k']}, {s['bits']}-bit "
           f"group {s['group_size']}, {s['activations']}; expert = {result['expert_bytes'] / 1e6:.2f} MB; "
-          f"device {result['device']} (Metal {'yes' if result['metal'] else 'no'}); median of {result['trials']}")
-    head = (f"{'T':>2} {'pairs':>5} {'uniq':>4} {'unif':>5} {'MB pairs':>8} {'MB uniq':>7} {'stock ms':>9} "
-            f"{'ref ms':>8} {'kern ms':>7} {'stock T/T1':>10} {'ref T/T1':>8} {'kern T/T1':>9} {'U/k proj':>8} "
-            f"{'stock GMAC/s':>12} {'ref GMAC/s':>10}")
+          f"device {result['device']} (Metal {'yes' if result['metal'] else 'no'}); ms: median of {result['trials']} "
+          f"interleaved rounds; ratios: median [min-max] of per-round ratios; load average "
+          f"{' '.join(f'{x:.1f}' for x in result['load_avg'])}")
+    head = (f"{'T':>2} {'pairs':>5} {'uniq':>4} {'unif':>5} {'MB pairs':>8} {'MB uniq':>7} {'stock ms':>8} "
+            f"{'ref ms':>7} {'kern ms':>7} {'stock T/T1 [min-max]':>20} {'ref T/T1 [min-max]':>19} {'kern T/T1':>9} "
+            f"{'U/k proj':>8} {'stock/ref [min-max]':>19} {'stock GMAC/s':>12}")
     print(head)
     print("-" * len(head))
+
+    def spread(r, key):
+        return "-" if r[key] is None else f"{r[key]:.2f} [{r[key + '_min']:.2f}-{r[key + '_max']:.2f}]"
+
     for r in result["rows"]:
         print(f"{r['tokens']:>2} {r['pairs']:>5} {r['unique']:>4} {r['uniform_unique']:>5.1f} {r['mb_pairs']:>8.1f} "
-              f"{r['mb_unique']:>7.1f} {r['stock_ms']:>9.1f} {r['reference_ms']:>8.1f} {_fmt(r['kernel_ms'], '7.1f'):>7} "
-              f"{r['stock_ratio']:>10.2f} {r['reference_ratio']:>8.2f} {_fmt(r['kernel_ratio'], '9.2f'):>9} "
-              f"{r['bandwidth_bound_ratio']:>8.2f} {r['gmacs_stock']:>12.2f} {r['gmacs_reference']:>10.2f}")
+              f"{r['mb_unique']:>7.1f} {r['stock_ms']:>8.1f} {r['reference_ms']:>7.1f} {_fmt(r['kernel_ms'], '7.1f'):>7} "
+              f"{spread(r, 'stock_ratio'):>20} {spread(r, 'reference_ratio'):>19} {_fmt(r['kernel_ratio'], '9.2f'):>9} "
+              f"{r['bandwidth_bound_ratio']:>8.2f} {spread(r, 'stock_over_reference'):>19} {r['gmacs_stock']:>12.2f}")
     one, last = result["rows"][0], result["rows"][-1]
     print(f"napkin: T=1 streams {one['mb_pairs']:.1f} MB in {one['stock_ms']:.1f} ms = "
           f"{one['mb_pairs'] / one['stock_ms']:.2f} GB/s of weights at {one['gmacs_stock']:.2f} GMAC/s; "
@@ -145,7 +165,7 @@ def print_table(result: dict) -> None:
     print(f"napkin: T={last['tokens']} needs {last['unique']} unique experts ({last['mb_unique']:.0f} MB) for "
           f"{last['pairs']} pairs ({last['mb_pairs']:.0f} MB): dedup could cut weight traffic "
           f"{last['mb_pairs'] / last['mb_unique']:.1f}x; measured stock/reference time ratio here "
-          f"{last['stock_ms'] / last['reference_ms']:.2f}x.")
+          f"{spread(last, 'stock_over_reference')} ({last['reference_verdict']}).")
 
 
 def main(argv: list[str] | None = None) -> None:

