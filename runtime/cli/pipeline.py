@@ -1,4 +1,4 @@
-"""`specmoe generate --pipeline`: the generate flags turned into a PipelineRun on every rank.
+"""`specmoe generate --pipeline` and `specmoe serve --pipeline`: the flags turned into a PipelineRun on every rank.
 
 Invariant: flags mean the same as without --pipeline, except --budget, which is per rank
 (a share is of that rank's expert bytes), and the predictors, which are spmoe or none.
@@ -11,8 +11,9 @@ import sys
 from runtime.observe import err_console
 
 
-def generate_pipeline(opts: dict) -> int:
-    from runtime.pipeline import PipelineRun, StageConfig, parse_split, run_generate
+def pipeline_run(opts: dict):
+    """The PipelineRun of `generate`'s or `serve`'s flags (serve has no prompt, seed, chat, json or fault flags)."""
+    from runtime.pipeline import PipelineRun, StageConfig, parse_split
 
     num_draft, predictor, cutoff, policy = opts["num_draft"], opts["predictor"], opts["cutoff"], opts["policy"]
     if num_draft is not None and num_draft < 1:
@@ -25,8 +26,11 @@ def generate_pipeline(opts: dict) -> int:
         if note:
             err_console.print(note, highlight=False)
     split = parse_split(opts["pipeline_split"])
+    opts = {"prompt": "", "seed": 0, "chat": True, "temp": 0.0, "top_p": 1.0, "projection": None, "forecast_k": None,
+            "max_prefetch_mb": None, "adaptive_k": True, "pipeline_fault": None, "json_path": None, "verify": True,
+            **opts}
     max_mb = opts["max_prefetch_mb"]
-    run = PipelineRun(
+    return PipelineRun(
         model=opts["model"], prompt=opts["prompt"], max_tokens=opts["max_tokens"], temp=opts["temp"], top_p=opts["top_p"],
         seed=opts["seed"], chat=opts["chat"], draft=opts["draft"], num_draft=num_draft or 4, predictor=predictor or "spmoe",
         cutoff=cutoff, projection=opts["projection"], forecast_k=opts["forecast_k"],
@@ -34,10 +38,25 @@ def generate_pipeline(opts: dict) -> int:
         stage=StageConfig(budget=opts["budget"], policy=policy or "lru", threads=opts["threads"], io_mode=opts["io_mode"],
                           verify_checksums=opts["verify"], split=tuple(split) if split else None,
                           routers=opts["draft"] is not None and (predictor or "spmoe") == "spmoe"),
-        timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"], json_path=opts["json_path"])
+        adaptive_k=opts["adaptive_k"], timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"], json_path=opts["json_path"])
+
+
+def generate_pipeline(opts: dict) -> int:
+    from runtime.pipeline import run_generate
+
+    run = pipeline_run(opts)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
     return run_generate(run, write)
+
+
+def serve_pipeline(opts: dict, config) -> int:
+    """Every rank: rank 0 serves `config` (a runtime.serve.ServeConfig), the others run their stage."""
+    from runtime.pipeline.serving import run_serve
+
+    if config.one_sync != "auto":
+        raise ValueError("--one-sync with --pipeline: the stages choose their own decode pass; leave it at auto")
+    return run_serve(pipeline_run(opts), config, log=lambda line: err_console.print(line, highlight=False, markup=False))

@@ -48,6 +48,17 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("warning", "--log-level",
                                       help="uvicorn log level: critical, error, warning, info (logs each request), "
                                            "debug."),
+        pipeline: bool = typer.Option(False, "--pipeline",
+                                      help="Serve a pipeline over several processes or Macs: start every rank with "
+                                           "`mlx.launch -n N --backend ring -- specmoe serve ... --pipeline`; rank 0 "
+                                           "serves HTTP (--budget is per rank)."),
+        pipeline_split: str = typer.Option(None, "--pipeline-split", help="Layers per rank, e.g. 3,5 (default: balanced by bytes)."),
+        pipeline_timeout: float = typer.Option(300.0, "--pipeline-timeout",
+                                               help="Seconds a rank waits for any message (rank 0 sends heartbeats "
+                                                    "while idle) before it gives up."),
+        adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
+                                        help="Speculative: K per round from acceptance, down to plain rounds; "
+                                             "--fixed-k always proposes K."),
     ):
         """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
         from runtime.serve import SamplingDefaults, ServeConfig, run_server
@@ -57,11 +68,15 @@ def register(app: typer.Typer) -> None:
         if log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"--log-level {log_level!r}; expected critical, error, warning, info or debug")
         path = resolve_model(model)
-        engine = load_engine(path, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
-                             cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor)
         defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         config = ServeConfig(model_ref=model, model_path=path, host=host, port=port, defaults=defaults,
                              max_prompt_tokens=max_prompt_tokens, one_sync=one_sync, log_level=log_level,
                              prompt_cache_size=prompt_cache_size,
                              allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()))
+        if pipeline:
+            from runtime.cli.pipeline import serve_pipeline
+
+            return serve_pipeline({**locals(), "model": path, "verify": True, "max_prefetch_mb": None}, config)
+        engine = load_engine(path, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
+                             cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor)
         run_server(engine, config, log=lambda line: err_console.print(line, highlight=False, markup=False))

@@ -21,7 +21,8 @@ from runtime.decode.pairing import default_projection_path, load_drafter, make_d
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.prompt_cache import PromptCache, common_prefix
 from runtime.decode.plain import GenerationStats, encode_prompt, generate_tokens, stream_tokens
-from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, probabilities
+from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, probabilities, sample
+from runtime.decode.draft_length import DraftLength
 from runtime.decode.speculative import SpecConfig, SpecStats, SpeculativeDecoder
 from runtime.decode.speculative_run import release_drafter, run_speculative, speculative_decoder
 from runtime.decode.taps import HiddenTaps
@@ -33,5 +34,5 @@ __all__ = [
     "OffloadedModel", "DevicePass", "PassStats", "offloaded_generate_step", "default_projection_path", "load_drafter",
     "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens",
     "SpecConfig", "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter",
-    "stream_tokens", "HiddenTaps", "Sampling", "accept_greedy", "accept_sampled", "probabilities",
+    "stream_tokens", "HiddenTaps", "Sampling", "accept_greedy", "accept_sampled", "probabilities", "sample", "DraftLength",
 ]

@@ -33,17 +33,18 @@ HEADER_LEN = 8
 HEAD_BYTES = (HEADER_LEN + 6) * 4  # header, ndim, 4 dims, inline flag (int32)
 FRAME_BYTES = 64 * 1024  # payload bytes carried inside the header frame (a verify window of a 35B-A3B in bf16: 9 x 4 KB)
 # header: [op, n_tokens, round, trim, rerun, payload dtype code + 1 (0: none), origin, flags, ndim, dim0..dim3]
-FORWARD, FORECAST, STOP, ERROR, STATS = 1, 2, 3, 4, 5
+FORWARD, FORECAST, STOP, ERROR, STATS, RESET, HEARTBEAT = 1, 2, 3, 4, 5, 6, 7
 KEEP, NO_REPLY = 1, 2  # FORWARD flags: snapshot + keep the window for a rewind; the last rank sends nothing back
-OP_NAMES = {FORWARD: "forward", FORECAST: "forecast", STOP: "stop", ERROR: "error", STATS: "stats"}
+OP_NAMES = {FORWARD: "forward", FORECAST: "forecast", STOP: "stop", ERROR: "error", STATS: "stats", RESET: "reset",
+            HEARTBEAT: "heartbeat"}
 DTYPES = {0: mx.float32, 1: mx.bfloat16, 2: mx.float16, 3: mx.int32, 4: mx.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass
 class Message:
-    op: int  # FORWARD, FORECAST, STOP, ERROR or STATS
-    n_tokens: int = 0  # FORWARD: tokens in the window
+    op: int  # FORWARD, FORECAST, STOP, ERROR, STATS, RESET (a new request) or HEARTBEAT (rank 0 is idle, alive)
+    n_tokens: int = 0  # FORWARD: tokens in the window; RESET: cached positions every rank keeps (0: fresh caches)
     round_id: int = 0  # speculative round (prefetch bookkeeping), 0 outside speculation
     trim: int = 0  # FORWARD: positions each rank drops from its caches before running the window
     rerun: int = 0  # FORWARD: restore the snapshot and re-run this many tokens of the last window first

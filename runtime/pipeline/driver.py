@@ -20,7 +20,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from runtime.pipeline.channel import ERROR, FORECAST, FORWARD, KEEP, NO_REPLY, STOP, Channel, Message, text_payload
+from runtime.pipeline.channel import (ERROR, FORECAST, FORWARD, HEARTBEAT, KEEP, NO_REPLY, RESET, STOP, Channel, Message,
+                                      text_payload)
 from runtime.pipeline.errors import PipelineError
 from runtime.pipeline.worker import StageTimer, rank_report
 from storage import ExpertKey
@@ -35,6 +36,8 @@ class PipelineDriver:
         self.timer = StageTimer()
         self.window_s = 0.0  # wall time of windows that waited for a reply (rank 0 view of the whole chain)
         self._rewind = (0, 0)  # (rejected, keep) for the other ranks, sent with the next window
+        self.tokens: list[int] = []  # the tokens every rank's caches hold, in order (prompt-cache reuse)
+        self.last_send = time.monotonic()  # when rank 0 last sent anything down the chain (heartbeats)
 
     def window(self, tokens: list[int], *, keep: bool = False, reply: bool = True, round_id: int = 0) -> mx.array | None:
         """Run `tokens` through every stage; (1, T, V) logits, or None when no reply is wanted."""
@@ -44,11 +47,13 @@ class PipelineDriver:
         self.stage.end_round(round_id)
         self.timer.compute_s += time.perf_counter() - t0
         self.timer.n_windows += 1
+        self.tokens.extend(tokens)
         if self.ch.size > 1:
             trim, rerun = self._rewind
             self._rewind = (0, 0)
             flags = (KEEP if keep else 0) | (0 if reply else NO_REPLY)
             self.ch.send(Message(FORWARD, len(tokens), round_id, trim, rerun, 0, flags, h))
+            self.last_send = time.monotonic()
             if not reply:
                 return None
             msg = self.ch.recv()
@@ -75,6 +80,26 @@ class PipelineDriver:
         self.timer.n_reruns += self.stage.rewind(rejected, keep_tokens) > 0
         self.timer.compute_s += time.perf_counter() - t0
         self._rewind = (rejected, keep_tokens)
+        if rejected > 0:
+            del self.tokens[-rejected:]
+
+    def reset(self, keep: int) -> None:
+        """A new request: every rank keeps the first `keep` cached tokens (0: fresh caches). One message."""
+        keep = max(0, min(keep, len(self.tokens)))
+        if not self.stage.chain_trimmable:
+            keep = 0
+        self.stage.reset(keep)
+        self._rewind = (0, 0)  # the other ranks trim to `keep` too, rejected tail included
+        del self.tokens[keep:]
+        if self.ch.size > 1:
+            self.ch.send(Message(RESET, keep))
+            self.last_send = time.monotonic()
+
+    def heartbeat(self) -> None:
+        """Tell the other ranks rank 0 is alive while it has no work (their receives have timeouts)."""
+        if self.ch.size > 1:
+            self.ch.send(Message(HEARTBEAT))
+            self.last_send = time.monotonic()
 
     def forecast(self, keys: list[ExpertKey], round_id: int, max_bytes: int | None = None) -> int:
         """Queue `keys` on the loader of the rank owning each layer; bytes queued on rank 0."""
@@ -87,6 +112,7 @@ class PipelineDriver:
             self.timer.prefetch_bytes_queued += queued
         if remote and self.ch.size > 1:
             self.ch.send(Message(FORECAST, round_id=round_id, payload=mx.array(np.array(remote, np.int32))))
+            self.last_send = time.monotonic()
         return queued
 
     def stop(self) -> list[dict]:

@@ -1,6 +1,6 @@
 """Plain generation through the pipeline (rank 0): prefill, then one window per token.
 
-Mirrors mlx-lm's generate_step: the prompt but its last token is prefilled in chunks
+Mirrors mlx-lm's generate_step (`plain_stream` yields the tokens; `generate_plain` collects them): the prompt but its last token is prefilled in chunks
 of `prefill_step` tokens, then each step runs one token and samples from the
 log-probabilities of the last position with mlx-lm's sampler. So greedy tokens equal
 stock mlx-lm's in one process.
@@ -9,6 +9,7 @@ stock mlx-lm's in one process.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
@@ -29,6 +30,7 @@ class PipelineStats:
     n_drafted: int = 0  # speculative: draft tokens proposed
     n_accepted: int = 0  # speculative: draft tokens accepted
     n_rounds: int = 0  # speculative: verify windows
+    n_plain_rounds: int = 0  # speculative: rounds with K = 0 (adaptive K fell back to plain decoding)
     ranks: list = field(default_factory=list)  # per rank: layers, memory, cache counters, channel and compute time
 
     @property
@@ -38,7 +40,8 @@ class PipelineStats:
     def line(self) -> str:
         parts = [f"{self.tokens_per_s:.1f} tok/s over {self.n_ranks} ranks"]
         if self.n_rounds:
-            parts.append(f"acceptance {self.acceptance:.0%}, {self.n_tokens / self.n_rounds:.2f} tokens/verify")
+            parts.append(f"acceptance {self.acceptance:.0%}, {self.n_tokens / self.n_rounds:.2f} tokens/verify, "
+                         f"mean K {self.n_drafted / self.n_rounds:.2f}")
         for r in self.ranks:
             c = r["counters"]
             hr = c["hits"] / max(1, c["hits"] + c["misses"])
@@ -51,31 +54,50 @@ class PipelineStats:
         return {**asdict(self), "acceptance": self.acceptance}
 
 
-def generate_plain(driver, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
-                   eos_ids=(), on_token=None, prefill_step: int = PREFILL_STEP) -> tuple[list[int], PipelineStats]:
+def plain_stream(driver, prompt_ids: list[int], *, max_tokens: int, sampler=None, eos_ids=(), prefill_step: int = PREFILL_STEP,
+                 stats: PipelineStats | None = None) -> Iterator[int]:
+    """Yield up to `max_tokens` tokens after `prompt_ids` (one window per token). The driver's caches
+    may already hold a prefix of `prompt_ids` (serve: driver.reset(keep)); only the rest is fed.
+    `stats` (optional) is filled in once the generator is exhausted or closed."""
     if max_tokens < 1:
         raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenization; expected at least one token")
-    sampler = make_sampler(temp=temp, top_p=top_p)
+    sampler = sampler or make_sampler(temp=0.0)
     t0 = time.perf_counter()
-    driver.prefill(prompt_ids[:-1], prefill_step)
-    y, tokens, t_first = prompt_ids[-1], [], None
-    while len(tokens) < max_tokens:
-        logits = driver.window([y])[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        y = int(sampler(logprobs).item())
-        if t_first is None:
-            t_first = time.perf_counter()
+    held = len(driver.tokens)
+    if held >= len(prompt_ids) or driver.tokens != prompt_ids[:held]:
+        raise ValueError(f"rank 0: the caches hold {held} tokens that are not a proper prefix of the prompt")
+    driver.prefill(prompt_ids[held:-1], prefill_step)
+    y, n, t_first = prompt_ids[-1], 0, None
+    try:
+        while n < max_tokens:
+            logits = driver.window([y])[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            y = int(sampler(logprobs).item())
+            if t_first is None:
+                t_first = time.perf_counter()
+            n += 1
+            yield y
+            if y in eos_ids:
+                break
+    finally:
+        if stats is not None:
+            t_end = time.perf_counter()
+            t_first = t_first or t_end
+            stats.n_ranks, stats.n_prompt_tokens, stats.n_tokens = driver.ch.size, len(prompt_ids), n
+            stats.prefill_s, stats.decode_s = t_first - t0, t_end - t_first
+            stats.tokens_per_s = (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0
+            stats.n_windows = driver.timer.n_windows
+
+
+def generate_plain(driver, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
+                   eos_ids=(), on_token=None, prefill_step: int = PREFILL_STEP) -> tuple[list[int], PipelineStats]:
+    stats = PipelineStats(driver.ch.size, len(prompt_ids), 0, 0.0, 0.0, 0.0)
+    tokens = []
+    for y in plain_stream(driver, prompt_ids, max_tokens=max_tokens, sampler=make_sampler(temp=temp, top_p=top_p),
+                          eos_ids=eos_ids, prefill_step=prefill_step, stats=stats):
         tokens.append(y)
         if on_token:
             on_token(y)
-        if y in eos_ids:
-            break
-    t_end = time.perf_counter()
-    n_decode = len(tokens) - 1
-    stats = PipelineStats(n_ranks=driver.ch.size, n_prompt_tokens=len(prompt_ids), n_tokens=len(tokens),
-                          prefill_s=t_first - t0, decode_s=t_end - t_first,
-                          tokens_per_s=n_decode / (t_end - t_first) if n_decode and t_end > t_first else 0.0,
-                          n_windows=driver.timer.n_windows)
     return tokens, stats

@@ -49,6 +49,7 @@ class PipelineRun:
     forecast_k: int | None = None
     max_prefetch_bytes: int | None = None
     stage: StageConfig = StageConfig()
+    adaptive_k: bool = True  # --adaptive-k/--fixed-k: K per round from acceptance (as one process), or always num_draft
     timeout_s: float = 300.0  # --pipeline-timeout: the longest wait for any message
     fault: str | None = None  # --pipeline-fault (debug): die:RANK:WINDOW or hang:RANK:WINDOW
     json_path: Path | None = None  # rank 0 writes tokens, text and every rank's report here
@@ -64,7 +65,7 @@ def join_group():
                          f"`mlx.launch -n N --backend ring -- specmoe generate ... --pipeline`") from None
 
 
-def _say(rank: int, text: str) -> None:
+def say(rank: int, text: str) -> None:
     sys.stderr.write(f"specmoe (rank {rank}): {text}\n")
     sys.stderr.flush()
 
@@ -73,16 +74,16 @@ def _on_sigterm(rank: int, ch: Channel):
     def handler(signum, frame):
         peer = ch.waiting_for
         waiting = f" (this rank was waiting for {'rank ' + str(peer) if isinstance(peer, int) else peer})" if peer is not None else ""
-        _say(rank, f"error: stopped by mlx.launch because another rank exited{waiting}; see that rank's error")
+        say(rank, f"error: stopped by mlx.launch because another rank exited{waiting}; see that rank's error")
         sys.stdout.flush()
         os._exit(1)
     return handler
 
 
-def _fail(ch: Channel | None, rank: int, e: BaseException, told_by: int | None) -> None:
+def fail_rank(ch: Channel | None, rank: int, e: BaseException, told_by: int | None) -> None:
     """Report `e` on this rank, tell the next rank (unless it told us), exit non-zero."""
     code = 2 if isinstance(e, ValueError) else 1
-    _say(rank, f"error: {e}")
+    say(rank, f"error: {e}")
     if ch is not None and ch.size > 1 and ch.next_rank != told_by:
         text = str(e) if isinstance(e, PipelineError) else f"rank {rank} failed: {e}"
         try:
@@ -93,7 +94,7 @@ def _fail(ch: Channel | None, rank: int, e: BaseException, told_by: int | None) 
     os._exit(code)
 
 
-def _load(run: PipelineRun, rank: int, size: int):
+def load_rank(run: PipelineRun, rank: int, size: int):
     """This rank's stage (and drafter on rank 0); the start-up record every rank shares."""
     stage = draft = None
     record = {"ok": True, "path": str(Path(run.model).resolve()), "fingerprint": "", "error": ""}
@@ -113,12 +114,21 @@ def _load(run: PipelineRun, rank: int, size: int):
 
 def run_generate(run: PipelineRun, write) -> int:
     """Run on every rank; rank 0 streams text through `write`. Returns 0 or exits the process."""
+    return run_ranks(run, lambda stage, draft, ch: _rank0(run, stage, draft, ch, write))
+
+
+def run_ranks(run: PipelineRun, rank0, *, serving: bool = False) -> int:
+    """Join, load, check the start-up facts; then rank0(stage, draft, ch) on rank 0 (it must end with
+    driver.stop()) and the stage loop elsewhere. Returns 0 or exits the process. serving: the ranks
+    other than 0 ignore SIGINT (Ctrl-C on a local launch reaches every rank; rank 0 then stops them)."""
     fault = parse_fault(run.fault)
     group = join_group()
     rank, size = group.rank(), group.size()
     ch = Channel(group, run.timeout_s)
     signal.signal(signal.SIGTERM, _on_sigterm(rank, ch))
-    stage, draft, record = _load(run, rank, size)
+    if serving and rank != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stage, draft, record = load_rank(run, rank, size)
     try:
         try:  # every rank learns the same start-up facts, so every rank fails the same way without messages
             records = [json.loads(r) for r in ch.all_gather_bytes(json.dumps(record).encode())]
@@ -130,16 +140,16 @@ def run_generate(run: PipelineRun, write) -> int:
                 raise PipelineError(msg, failed[0][0])
             check_same_stores([x["fingerprint"] for x in records], [x["path"] for x in records])
         except (ValueError, PipelineError) as e:
-            _fail(None, rank, e, None)
+            fail_rank(None, rank, e, None)
         if rank == 0:
-            _say(0, f"{size} ranks: {stage.split.describe()}")
-            return _rank0(run, stage, draft, ch, write)
+            say(0, f"{size} ranks: {stage.split.describe()}")
+            return rank0(stage, draft, ch)
         serve_stage(stage, ch, fault)
         return 0
     except PipelineError as e:
-        _fail(ch, rank, e, e.rank if e.rank is not None and e.rank != rank else None)
+        fail_rank(ch, rank, e, e.rank if e.rank is not None and e.rank != rank else None)
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, not just this one's traceback
-        _fail(ch, rank, e, None)
+        fail_rank(ch, rank, e, None)
     finally:
         if stage is not None:
             stage.close()
@@ -175,7 +185,7 @@ def _rank0(run: PipelineRun, stage, draft, ch: Channel, write) -> int:
                                        forecast_k=run.forecast_k)
         drafter = make_drafter(draft_model, run.predictor if run.cutoff != 0 else "none")
         cfg = SpecConfig(num_draft=run.num_draft, cutoff=run.cutoff, temp=run.temp, top_p=run.top_p, seed=run.seed,
-                         max_prefetch_bytes=run.max_prefetch_bytes)
+                         max_prefetch_bytes=run.max_prefetch_bytes, adaptive_k=run.adaptive_k)
         try:
             tokens, stats = PipelineSpeculative(driver, drafter, predictor, cfg).generate(ids, run.max_tokens, eos, show)
         finally:
@@ -184,7 +194,7 @@ def _rank0(run: PipelineRun, stage, draft, ch: Channel, write) -> int:
     stats.ranks = driver.stop()
     detok.finalize()
     write(detok.last_segment + "\n")
-    _say(0, stats.line())
+    say(0, stats.line())
     if run.json_path:
         write_json(run.json_path, {"model": str(run.model), "tokens": tokens, "text": stage.tokenizer.decode(tokens),
                                    "split": [list(r) for r in stage.split.ranges], "stats": stats.to_json()})

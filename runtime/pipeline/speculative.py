@@ -1,6 +1,8 @@
 """Speculative decoding through the pipeline (rank 0): draft, forecast, prefetch, verify, accept, rewind.
 
-One round, with K = num_draft and the verify window W = [p, d_1 .. d_K]:
+One round, with K from adaptive K (runtime.decode.DraftLength, as single-process speculative
+decoding: K follows acceptance, down to K = 0 plain rounds with probes; --fixed-k: always
+num_draft) and the verify window W = [p, d_1 .. d_K]:
 - draft + forecast: the drafter (on rank 0) proposes d_1..d_K; after each of its steps
   the predictor forecasts the experts W will need in every prefetched MoE layer, and
 - prefetch: each new forecast key goes to the rank owning its layer -- rank 0's own
@@ -22,13 +24,14 @@ rank 0 for every MoE layer) and none run.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from predictor import make_predictor
-from runtime.decode import SpecConfig, accept_greedy, accept_sampled, text_config, top_k
+from runtime.decode import DraftLength, SpecConfig, accept_greedy, accept_sampled, sample, text_config, top_k
 from runtime.pipeline.generation import PipelineStats
 from storage import ExpertKey
 
@@ -79,6 +82,8 @@ class PipelineSpeculative:
         self.n_rounds = self.n_drafted = self.n_accepted = 0
         self._round = 0
         self._queued: set[ExpertKey] = set()
+        self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
+        self.n_plain_rounds = 0
 
     def _forecast_and_prefetch(self, taps) -> None:
         if not self.prefetch_layers:
@@ -90,53 +95,75 @@ class PipelineSpeculative:
             self._queued.update(new)
             self.driver.forecast(new, self._round, self.cfg.max_prefetch_bytes)
 
-    def _accept(self, draft, logits: mx.array) -> tuple[int, int]:
+    def _accept(self, tokens: list[int], q, logits: mx.array) -> tuple[int, int]:
         if self.cfg.temp == 0:
-            return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
+            return accept_greedy(tokens, np.array(mx.argmax(logits, axis=-1)))
         p = np.array(self.cfg.sampling.probabilities(logits), np.float64)
-        return accept_sampled(draft.tokens, draft.q, p, self.rng)  # pads the shorter vocabulary: no target mass lost
+        if not tokens:  # a plain round: the target's own sample
+            return 0, sample(p[0], self.rng)
+        return accept_sampled(tokens, q, p, self.rng)  # pads the shorter vocabulary: no target mass lost
 
     def step(self, pending: int) -> list[int]:
         self._round += 1
         self._queued = set()
-        draft = self.drafter.propose(self.cfg.num_draft, sampling=self.cfg.sampling, rng=self.rng,
-                                     on_step=self._forecast_and_prefetch)
-        window = [pending] + draft.tokens
-        logits = self.driver.window(window, keep=True, round_id=self._round)[0]  # (K+1, V)
-        n, token = self._accept(draft, logits)
-        self.driver.rewind(len(window) - 1 - n, n + 1)
-        self.drafter.settle(n, token)
+        k = self.draft_length.next_k()
+        if k:
+            draft = self.drafter.propose(k, sampling=self.cfg.sampling, rng=self.rng,
+                                         on_step=self._forecast_and_prefetch)
+            tokens, q = draft.tokens, draft.q
+        else:  # a plain round: no drafter work, no forecast, nothing to rewind
+            tokens, q = [], None
+        window = [pending] + tokens
+        logits = self.driver.window(window, keep=bool(k), round_id=self._round)[0]  # (K+1, V)
+        n, token = self._accept(tokens, q, logits)
+        if k:
+            self.driver.rewind(len(window) - 1 - n, n + 1)
+            self.drafter.settle(n, token)
+        else:
+            self.drafter.skip(token)
+        self.draft_length.record(k, n)
         self.n_rounds += 1
-        self.n_drafted += len(draft.tokens)
+        self.n_plain_rounds += k == 0
+        self.n_drafted += len(tokens)
         self.n_accepted += n
-        return draft.tokens[:n] + [token]
+        return tokens[:n] + [token]
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None) -> tuple[list[int], PipelineStats]:
+    def stream(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), stats: PipelineStats | None = None) -> Iterator[int]:
+        """Yield up to `max_tokens` tokens, a round's tokens as the round ends; the driver's caches must
+        be fresh (driver.reset(0)). `stats` is filled in once the generator is exhausted or closed."""
         if max_tokens < 1:
             raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization; expected at least one token")
+        if self.driver.tokens:
+            raise ValueError("rank 0: speculative decoding through the pipeline starts from fresh caches")
         t0 = time.perf_counter()
         self.driver.prefill(prompt_ids[:-1], self.cfg.prefill_chunk)
         self.drafter.prefill(prompt_ids)
         t1 = time.perf_counter()  # decode throughput counts every round, as SpecStats does
-        pending, out = prompt_ids[-1], []
-        while len(out) < max_tokens:
-            done = False
-            for token in self.step(pending):
-                out.append(token)
-                if on_token:
-                    on_token(token)
-                if token in eos_ids or len(out) >= max_tokens:
-                    done = True
-                    break
-            if done:
-                break
-            pending = out[-1]
-        t_end = time.perf_counter()
-        stats = PipelineStats(n_ranks=self.driver.ch.size, n_prompt_tokens=len(prompt_ids), n_tokens=len(out),
-                              prefill_s=t1 - t0, decode_s=t_end - t1,
-                              tokens_per_s=len(out) / (t_end - t1) if t_end > t1 else 0.0,
-                              n_windows=self.driver.timer.n_windows, n_drafted=self.n_drafted,
-                              n_accepted=self.n_accepted, n_rounds=self.n_rounds)
+        pending, n_out = prompt_ids[-1], 0
+        try:
+            while n_out < max_tokens:
+                for token in self.step(pending):
+                    n_out += 1
+                    yield token
+                    if token in eos_ids or n_out >= max_tokens:
+                        return
+                    pending = token
+        finally:
+            if stats is not None:
+                t_end = time.perf_counter()
+                stats.n_ranks, stats.n_prompt_tokens, stats.n_tokens = self.driver.ch.size, len(prompt_ids), n_out
+                stats.prefill_s, stats.decode_s = t1 - t0, t_end - t1
+                stats.tokens_per_s = n_out / (t_end - t1) if t_end > t1 else 0.0
+                stats.n_windows, stats.n_drafted, stats.n_accepted = self.driver.timer.n_windows, self.n_drafted, self.n_accepted
+                stats.n_rounds, stats.n_plain_rounds = self.n_rounds, self.n_plain_rounds
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None) -> tuple[list[int], PipelineStats]:
+        stats = PipelineStats(self.driver.ch.size, len(prompt_ids), 0, 0.0, 0.0, 0.0)
+        out = []
+        for token in self.stream(prompt_ids, max_tokens, eos_ids, stats):
+            out.append(token)
+            if on_token:
+                on_token(token)
         return out, stats

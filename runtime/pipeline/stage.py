@@ -73,7 +73,7 @@ class Stage:
     """This rank's layers, caches and (rank 0) embedding, head and tokenizer."""
 
     def __init__(self, *, rank, split, store, loader, cache, plan, layers, layer_ids, modules, kinds,
-                 embed=None, norm=None, head=None, tokenizer=None, routers=None, fingerprint="", resident_bytes=0):
+                 embed=None, norm=None, head=None, tokenizer=None, routers=None, fingerprint="", resident_bytes=0, chain_trimmable=False):
         self.rank = rank
         self.split = split  # StageSplit shared by every rank
         self.store = store
@@ -89,6 +89,7 @@ class Stage:
         self.routers = routers or {}  # rank 0 with StageConfig.routers: MoE layer -> TargetRouter (all layers)
         self.model_fingerprint = fingerprint  # rank 0: runtime.checkpoints.model_fingerprint of the full model
         self.resident_bytes = resident_bytes  # bytes of the weights this rank evaluated
+        self.chain_trimmable = chain_trimmable  # every rank's caches are KV caches (a prompt prefix can be kept)
         self.kv = self.new_cache()
         self._snapshot = None
         self._window: mx.array | None = None
@@ -119,7 +120,8 @@ class Stage:
             model, config = load_model(store.model_dir, lazy=True, strict=False)
             text = getattr(model, "language_model", model)
             inner = text.model
-            kinds = [_cache_kind(c) for c in make_prompt_cache(model)[a:b]]
+            all_kinds = [_cache_kind(c) for c in make_prompt_cache(model)]
+            kinds = all_kinds[a:b]
             modules = {}
             for l, lay in layouts.items():
                 stock = _module(model, lay.prefix)
@@ -166,7 +168,8 @@ class Stage:
             raise
         return cls(rank=rank, split=split, store=store, loader=loader, cache=cache, plan=plan, layers=layers,
                    layer_ids=list(range(a, b)), modules=modules, kinds=kinds, routers=routers,
-                   fingerprint=fingerprint, resident_bytes=resident_bytes, **kw)
+                   fingerprint=fingerprint, resident_bytes=resident_bytes,
+                   chain_trimmable=all(kind == "kv" for kind, _ in all_kinds), **kw)
 
     # -- running -------------------------------------------------------------------------
     def new_cache(self) -> list:
@@ -215,6 +218,24 @@ class Stage:
         self._snapshot = None
         mx.eval(self.forward(self._window[:, :keep_tokens]))
         return keep_tokens
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether every cache of this rank can drop positions (KV caches; recurrent state cannot)."""
+        return all(kind == "kv" for kind, _ in self.kinds)
+
+    def reset(self, keep: int) -> None:
+        """A new request: keep the first `keep` cached positions (a shared prompt prefix), or start fresh (0)."""
+        self._snapshot, self._window = None, None
+        if keep <= 0:
+            self.kv = self.new_cache()
+            return
+        if not self.trimmable:
+            raise RuntimeError(f"rank {self.rank}: asked to keep {keep} positions of a recurrent cache (only 0 is possible)")
+        for c in self.kv:
+            if keep > c.offset:
+                raise RuntimeError(f"rank {self.rank}: asked to keep {keep} positions of a cache holding {c.offset}")
+            c.trim(c.offset - keep)
 
     def end_round(self, round_id: int) -> None:
         """A verify window has passed: forecasts of this round have served; drop the stale ones."""

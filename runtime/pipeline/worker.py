@@ -3,7 +3,10 @@
 FORWARD: apply the rewind the header carries (for the previous verify window), run
 this rank's layers over the window, pass the hidden states on (the last rank sends
 them back to rank 0 unless the window needs no reply). FORECAST: queue prefetches
-for this rank's layers on its loader, pass the other ranks' part on. STOP: append
+for this rank's layers on its loader, pass the other ranks' part on. RESET (serve: a new
+request): keep the shared prompt prefix of the caches or start fresh, pass it on.
+HEARTBEAT (serve: rank 0 idle): pass it on; the wait for it is what keeps this rank's
+receive timeout from firing between requests. The last rank sends neither back. STOP: append
 this rank's report and pass the reports on. ERROR: pass it on and stop.
 
 Invariant: a rank never waits for anything but its predecessor's next message, and
@@ -20,7 +23,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from runtime.pipeline.channel import ERROR, FORECAST, FORWARD, KEEP, NO_REPLY, STOP, Channel, Message, text_payload
+from runtime.pipeline.channel import (ERROR, FORECAST, FORWARD, HEARTBEAT, KEEP, NO_REPLY, RESET, STOP, Channel, Message,
+                                      text_payload)
 from runtime.pipeline.errors import PipelineError
 from storage import ExpertKey
 
@@ -34,6 +38,8 @@ class StageTimer:
         self.n_reruns = 0  # rewinds that re-ran accepted tokens
         self.n_forecast_keys = 0  # experts this rank was asked to prefetch
         self.prefetch_bytes_queued = 0  # bytes of prefetch reads queued
+        self.n_resets = 0  # new requests (serve): caches reset or trimmed to a shared prompt prefix
+        self.n_heartbeats = 0  # idle heartbeats seen (serve)
 
     def to_json(self) -> dict:
         return dict(vars(self))
@@ -89,6 +95,14 @@ def serve_stage(stage, ch: Channel, fault=None) -> None:
                 timer.prefetch_bytes_queued += stage.cache.prefetch(keys, msg.round_id, None)
             if not own.all() and not last:
                 ch.send(Message(FORECAST, round_id=msg.round_id, origin=msg.origin, payload=mx.array(pairs[~own])))
+        elif msg.op in (RESET, HEARTBEAT):
+            if msg.op == RESET:
+                stage.reset(msg.n_tokens)
+                timer.n_resets += 1
+            else:
+                timer.n_heartbeats += 1
+            if not last:
+                ch.send(Message(msg.op, msg.n_tokens, origin=msg.origin))
         elif msg.op == STOP:
             reports = json.loads(msg.text())
             reports.append(rank_report(stage, ch, timer))

@@ -11,16 +11,16 @@ thread, one request at a time; a disconnected client's generation is cancelled.
 """
 
 from runtime.serve.app import ServerState, build_app
-from runtime.serve.backend import Backend
+from runtime.serve.backend import Backend, Piece
 from runtime.serve.chat_session import ChatSession
 from runtime.serve.queue import GenerationQueue, Job, JobEvent
-from runtime.serve.server import ServeConfig, context_limit, run_server
+from runtime.serve.server import ServeConfig, context_limit, run_server, serve_backend
 from runtime.serve.sse import SSE_DONE, ResponseFormat, sse, usage
 from runtime.serve.stops import StopMatcher
 from runtime.serve.validation import CompletionRequest, RequestError, SamplingDefaults, parse_completion, parse_json
 
 __all__ = [
-    "ServerState", "build_app", "Backend", "ChatSession", "GenerationQueue", "Job", "JobEvent", "ServeConfig", "context_limit",
-    "run_server", "SSE_DONE", "ResponseFormat", "sse", "usage", "StopMatcher", "CompletionRequest", "RequestError",
+    "ServerState", "build_app", "Backend", "Piece", "ChatSession", "GenerationQueue", "Job", "JobEvent", "ServeConfig", "context_limit",
+    "run_server", "serve_backend", "SSE_DONE", "ResponseFormat", "sse", "usage", "StopMatcher", "CompletionRequest", "RequestError",
     "SamplingDefaults", "parse_completion", "parse_json",
 ]

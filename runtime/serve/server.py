@@ -16,7 +16,7 @@ from runtime.serve.backend import Backend
 from runtime.serve.queue import GenerationQueue
 from runtime.serve.validation import SamplingDefaults
 
-__all__ = ["ServeConfig", "run_server", "context_limit"]
+__all__ = ["ServeConfig", "run_server", "serve_backend", "context_limit"]
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,22 @@ def context_limit(config: dict) -> int:
 
 
 def run_server(engine, config: ServeConfig, log=print) -> None:
+    backend = Backend(engine, one_sync=config.one_sync, prompt_cache_size=config.prompt_cache_size)
+    serve_backend(backend, config, engine.model.config, log, close=engine.close)
+
+
+def serve_backend(backend, config: ServeConfig, model_config: dict, log=print, close=None, note: str = "") -> None:
+    """Serve `backend` (a Backend, or runtime.pipeline's PipelineBackend) until uvicorn stops; then
+    the queue's worker, then `close` (the engine, or the pipeline's STOP to every rank)."""
     import uvicorn
 
-    backend = Backend(engine, one_sync=config.one_sync, prompt_cache_size=config.prompt_cache_size)
     gen_queue = GenerationQueue(backend)
-    limit = config.max_prompt_tokens or context_limit(engine.model.config)
+    limit = config.max_prompt_tokens or context_limit(model_config)
     aliases = frozenset({str(config.model_path), str(config.model_path.resolve()), config.model_path.name})
     state = ServerState(backend, gen_queue, config.model_ref, aliases, config.defaults, limit, config.allowed_origins)
     app = build_app(state)
     log(f"specmoe serve: {config.model_ref} on http://{config.host}:{config.port}/v1 "
-        f"(OpenAI API; one request at a time; prompts up to {limit} tokens; Ctrl-C stops)")
+        f"(OpenAI API; one request at a time; prompts up to {limit} tokens{note}; Ctrl-C stops)")
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            access_log=config.log_level in ("info", "debug"),
                                            timeout_graceful_shutdown=3))
@@ -60,5 +66,6 @@ def run_server(engine, config: ServeConfig, log=print) -> None:
         server.run()
     finally:
         gen_queue.close()
-        engine.close()
+        if close is not None:
+            close()
         sys.stderr.flush()

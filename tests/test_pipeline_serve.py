@@ -1,0 +1,115 @@
+"""`mlx.launch -n 2 --backend ring -- specmoe serve ... --pipeline` on 127.0.0.1: one launch, bounded.
+
+Rank 0 serves HTTP and drives the stages; rank 1 loops on its stage. Shown in one launch (each
+costs two Python processes): greedy text of a plain and a streaming request equals stock mlx-lm's;
+a bad request is answered 4xx and serving goes on; the idle ranks outlive several receive timeouts
+(heartbeats); a repeated prompt reuses the cached prefix on every rank; SIGINT to rank 0 stops
+every rank cleanly. Every wait has a timeout; the launch is killed (its process group) whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlx_lm import load as mlx_load
+from mlx_lm import stream_generate
+
+from runtime.pipeline.local import local_launch_command
+from tests.serve_process import free_port, get_json, post_raw
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = REPO / "runtime" / "data" / "tiny" / "target"
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Enter the king, with his lords."]
+N = 8  # tokens per answer
+TIMEOUT_S = 4.0  # --pipeline-timeout: short, so the idle wait below spans it twice
+
+
+def _stock_text(prompt: str) -> str:
+    model, tok = mlx_load(str(TARGET))
+    return "".join(r.text for r in stream_generate(model, tok, list(tok.encode(prompt)), max_tokens=N))
+
+
+def _post(base: str, body: dict, timeout: float = 120.0) -> tuple[int, bytes]:
+    return post_raw(base + "/v1/completions", json.dumps(body).encode(), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("pserve") / "launch.log"
+    port = free_port()
+    cli = [sys.executable, "-m", "runtime.cli.app", "serve", "-m", str(TARGET), "--pipeline", "--budget", "50%",
+           "--pipeline-timeout", str(TIMEOUT_S), "--max-tokens", str(N), "--max-prompt-tokens", "64", "--port", str(port)]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(local_launch_command(2, cli), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the launch exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if get_json(base + "/health", timeout=2)[0] == 200:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no /health answer in 240 s:\n{log_path.read_text()}")
+            time.sleep(0.3)
+        pid = int(re.search(r"rank 0 pid (\d+)", log_path.read_text()).group(1))
+        yield base, proc, pid, log_path
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def test_serve_through_two_ranks_equals_stock_and_stops_every_rank(launch):
+    base, proc, pid, log_path = launch
+    # 1. plain request: greedy text = stock mlx-lm in one process
+    code, body = _post(base, {"prompt": PROMPTS[0], "max_tokens": N, "temperature": 0})
+    assert code == 200, body
+    first = json.loads(body)
+    assert first["choices"][0]["text"] == _stock_text(PROMPTS[0])
+    assert first["choices"][0]["finish_reason"] == "length" and first["usage"]["completion_tokens"] == N
+    # 2. bad requests: 4xx, nothing sent down the chain, serving goes on
+    assert _post(base, {"prompt": PROMPTS[0], "max_tokens": -1})[0] == 400
+    assert _post(base, {"prompt": "word " * 200})[0] == 400  # over --max-prompt-tokens
+    assert post_raw(base + "/v1/completions", b"{not json", timeout=30)[0] == 400
+    # 3. idle for more than the ranks' receive timeout: heartbeats keep rank 1 waiting, not failing
+    time.sleep(2.5 * TIMEOUT_S)
+    assert proc.poll() is None, log_path.read_text()
+    # 4. streaming request (another prompt): same text as stock, chunk by chunk
+    code, raw = _post(base, {"prompt": PROMPTS[1], "max_tokens": N, "temperature": 0, "stream": True})
+    assert code == 200, raw
+    events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == _stock_text(PROMPTS[1])
+    assert chunks[-1]["finish_reason"] == "length"
+    # 5. the conversation goes on: every rank keeps the shared prefix (one RESET trims it), same text as stock
+    more = PROMPTS[1] + " The king speaks:"
+    code, body = _post(base, {"prompt": more, "max_tokens": N, "temperature": 0})
+    assert code == 200, body
+    third = json.loads(body)
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, third
+    assert third["choices"][0]["text"] == _stock_text(more)
+    code, stats = get_json(base + "/v1/specmoe/stats")
+    assert stats["requests"]["requests"] == 3 and stats["requests"]["heartbeats"] >= 2, stats
+    assert stats["pipeline"]["ranks"] == 2
+    # 6. shutdown: SIGINT to rank 0 -> STOP down the chain -> every rank exits 0, and the launch ends
+    os.kill(pid, signal.SIGINT)
+    proc.wait(timeout=90)
+    log = log_path.read_text()
+    assert "stopped every rank (3 requests)" in log, log
+    assert "rank 1 layers 4-7" in log  # rank 1's report came back with STOP
+    assert "error" not in log.lower() and "exited with code" not in log and "was killed" not in log, log
