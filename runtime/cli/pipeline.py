@@ -55,7 +55,7 @@ def generate_pipeline(opts: dict) -> int:
 
 def serve_pipeline(opts: dict, config) -> int:
     """Every rank: rank 0 serves `config` (a runtime.serve.ServeConfig), the others run their stage."""
-    from runtime.pipeline.serving import run_serve
+    from runtime.pipeline import run_serve
 
     if config.one_sync != "auto":
         raise ValueError("--one-sync with --pipeline: the stages choose their own decode pass; leave it at auto")
