@@ -13,6 +13,12 @@ Invariants: forecast() only builds lazy MLX arrays (the caller evaluates them to
 with the routing it already reads back, so a forecast costs no extra host sync); the
 forecast of a target layer lists distinct expert ids; a layer whose norm weight is zero
 somewhere contributes 0 there (the information is lost, not invented).
+
+Confidence: an expert among a token's top m is taken only if the target router gives it at
+least `min_prob`; by default DEFAULT_SHARE / E, three times the uniform share of E experts
+(chosen by replaying the embedded pair's decoded workload, docs/read-less.md: on that trace a
+probability threshold cuts wasted prefetch reads more per demand miss given up than fewer
+experts per token, a threshold relative to the top expert, or value-based admission).
 """
 
 from __future__ import annotations
@@ -31,18 +37,24 @@ class _Hop:
     gate: object  # the target's router: (..., D) -> (..., E) logits
 
 
+DEFAULT_SHARE = 3.0  # default min_prob = DEFAULT_SHARE / n_experts
+
+
 class RouterLookahead:
     """Forecast layer l + j's experts from layer l's MoE input, for each j in `distances`."""
 
     def __init__(self, routers: dict, distances: tuple[int, ...] = (1,), per_token: int = 4,
-                 targets: set[int] | None = None, min_prob: float = 0.0):
+                 targets: set[int] | None = None, min_prob: float | None = None):
         if not distances or min(distances) < 1:
             raise ValueError(f"lookahead distances {distances}; expected layers ahead >= 1")
         if per_token < 1:
             raise ValueError(f"lookahead experts per token {per_token}; expected >= 1")
         self.distances = tuple(sorted(set(distances)))
         self.per_token = per_token  # m: experts taken per token of the call
-        self.min_prob = min_prob  # an expert among the m is taken only if its router probability is at least this
+        if min_prob is not None and not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"lookahead min_prob {min_prob}; expected a probability in [0, 1]")
+        # An expert among the m is taken only if its router probability is at least this (None: DEFAULT_SHARE / E).
+        self.min_prob = min_prob
         layers = sorted(routers)
         self.hops: dict[int, list[_Hop]] = {}
         for i, src in enumerate(layers):
@@ -66,11 +78,16 @@ class RouterLookahead:
         for hop, logits in self.logits(layer, x):
             m = min(self.per_token, logits.shape[-1])
             top = mx.argpartition(-logits, m - 1, axis=-1)[:, :m]
-            if self.min_prob > 0:
+            tau = self.threshold(logits.shape[-1])
+            if tau > 0:
                 p = mx.take_along_axis(mx.softmax(logits, axis=-1), top, axis=-1)
-                top = mx.where(p >= self.min_prob, top.astype(mx.int32), -1)
+                top = mx.where(p >= tau, top.astype(mx.int32), -1)
             out.append((hop, top))
         return out
+
+    def threshold(self, n_experts: int) -> float:
+        """The minimum router probability of a taken expert for a router over `n_experts`."""
+        return DEFAULT_SHARE / n_experts if self.min_prob is None else self.min_prob
 
     def logits(self, layer: int, x: mx.array) -> list[tuple[_Hop, mx.array]]:
         """Lazy (hop, router logits (T, E) of the target) for every target forecast from `layer`."""

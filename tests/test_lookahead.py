@@ -30,7 +30,7 @@ def test_forecast_is_the_later_router_on_the_same_residual(tiny_dirs):
             w = layer.post_attention_layernorm.weight
             layer.post_attention_layernorm.weight = mx.array(rng.uniform(0.3, 3.0, w.shape).astype(np.float32))
         routers = om.routers()
-        la = RouterLookahead(routers, (1, 2), per_token=3)
+        la = RouterLookahead(routers, (1, 2), per_token=3, min_prob=0.0)  # every top-3 expert, however unsure
         seen = {}
 
         class Grab:
@@ -65,6 +65,20 @@ def test_forecast_is_the_later_router_on_the_same_residual(tiny_dirs):
         some = RouterLookahead(routers, (1,), per_token=3, min_prob=1e-9)
         (_, top), = some.forecast(min(seen), x)
         assert np.array_equal(RouterLookahead.experts(top), np.unique(np.array(la.forecast(min(seen), x)[0][1])))
+        # The default keeps exactly the top-3 experts whose router probability is at least 3 / E.
+        default = RouterLookahead(routers, (1,), per_token=3)
+        hop, logits = default.logits(min(seen), x)[0]
+        p = np.array(mx.softmax(logits, axis=-1))
+        E = p.shape[-1]
+        assert default.threshold(E) == pytest.approx(3.0 / E)
+        (_, top), = default.forecast(min(seen), x)
+        top = np.array(top)
+        full = np.array(la.forecast(min(seen), x)[0][1])
+        for row, want_row, pr in zip(top, full, p):
+            assert sorted(e for e in row.tolist() if e >= 0) == sorted(e for e in want_row.tolist() if pr[e] >= 3.0 / E)
+        assert 0 < (top >= 0).sum() < top.size  # the threshold takes some and drops some here
+        with pytest.raises(ValueError, match="min_prob"):
+            RouterLookahead(routers, (1,), min_prob=1.5)
     finally:
         om.close()
 

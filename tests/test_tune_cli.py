@@ -83,3 +83,20 @@ def test_tune_at_a_budget_holding_every_expert_says_prefetch_does_not_apply(pair
     report = json.loads((tmp_path / "t.json").read_text())
     assert report["prefetch_applies"] is False and "prefetch does not apply" in report["reason"]
     assert all(m["setting"]["cutoff"] == 0 for m in report["measured"]) and "prefetch does not apply" in err
+
+
+@pytest.mark.slow
+def test_tune_measures_the_lookahead_and_emulated_reads_are_labelled(pair, tmp_path):
+    """At 25% the tuner measures the router lookahead (j and experts per token) for the layers past the cutoff,
+    shows it per row, and a hidden --inject latency reaches every measured run and is labelled EMULATED."""
+    target, drafter, prompts = pair
+    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "-n", "4",
+                                 "--budget", "25%", "--inject", "slow:ms=0.2", "--json", str(tmp_path / "t.json")])
+    assert code == 0, err
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["inject"] == "slow:ms=0.2" and "EMULATED" in err
+    settings = [m["setting"] for m in report["measured"]]
+    n_layers = TINY["layers"]
+    ran = {(s["lookahead"], s["lookahead_experts"]) for s in settings if s["lookahead"]}
+    assert len(ran) == 3 or report["chosen"]["cutoff"] >= n_layers, settings
+    assert "lookahead j/m" in stdout and ("lookahead off" in stdout or "layer(s) ahead" in stdout)

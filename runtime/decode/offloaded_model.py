@@ -247,12 +247,12 @@ class OffloadedModel:
         self.cache.empty()
 
     def set_lookahead(self, distance: int | None, per_token: int | None = None, *, targets=None,
-                      queue: bool = True, distances: tuple[int, ...] | None = None, min_prob: float = 0.0):
+                      queue: bool = True, distances: tuple[int, ...] | None = None, min_prob: float | None = None):
         """Forecast each MoE layer's experts from the layer `distance` MoE layers before it (its input
         through the later layers' routers) and prefetch them; `per_token` experts per token (default
-        top-k) whose router probability is at least `min_prob`; only `targets` layers if given; queue=False
-        only scores (recall by distance). None or 0
-        detaches it. Returns the LookaheadPrefetch (its .stats) or None."""
+        top-k) whose router probability is at least `min_prob` (None: 3 / n_experts; 0: all of them); only
+        `targets` layers if given; queue=False only scores (recall by distance). None or 0 detaches it.
+        Returns the LookaheadPrefetch (its .stats) or None."""
         from predictor.lookahead import RouterLookahead
         from runtime.decode.lookahead_prefetch import LookaheadPrefetch
 

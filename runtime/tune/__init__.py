@@ -11,6 +11,8 @@ an empty cache; replaying a trace gives the counts the live cache gives.
 
 from runtime.tune.cache_sweep import cache_sweep
 from runtime.tune.calibrate import CalibrationReport, calibrate
+from runtime.tune.forecast_replay import PrefetchReplayResult, replay_prefetch
+from runtime.tune.frequency_oracle import future_frequency_misses
 from runtime.tune.measure import SettingRunner, Workload
 from runtime.tune.plots import plot_cache, plot_cutoff
 from runtime.tune.replay import allocate_slots, belady, miss_curve, replay
@@ -20,7 +22,7 @@ from runtime.tune.settings import resolve_lookahead, resolve_settings
 from runtime.tune.tuner import Setting, choose, cutoff_grid, load_tuning, median_measurement, refine, save_tuning
 
 __all__ = [
-    "split_by_miss_curves",
+    "split_by_miss_curves", "PrefetchReplayResult", "replay_prefetch", "future_frequency_misses",
     "cache_sweep", "CalibrationReport", "calibrate", "SettingRunner", "Workload", "plot_cache", "plot_cutoff",
     "allocate_slots", "belady", "miss_curve", "replay", "run_tune", "resolve_settings", "resolve_lookahead",
     "Setting", "choose",

@@ -10,6 +10,8 @@ of `window` tokens this replay does the same with the live cache's SlotTable:
    a prefetch used), absent ones are demand misses.
 It assumes every prefetch completes before its layer's call (with real reads one that
 does not is promoted and waited for: a stall, but still not a demand read).
+admit="free" is the what-if of prefetching only into free slots (never evicting for a
+speculative read): a forecast expert is read only if the layer has a free slot.
 
 Invariants: reads = demand misses + prefetch reads; a prefetch read is used (a hit on
 it before its eviction), wasted (evicted unused) or still resident unused at the end;
@@ -44,9 +46,12 @@ class PrefetchReplayResult:
 
 
 def replay_prefetch(seqs: list[np.ndarray], forecasts: list[np.ndarray] | None, n_experts: int, slots: int,
-                    policy: str, window: int = 1) -> PrefetchReplayResult:
+                    policy: str, window: int = 1, admit: str = "any") -> PrefetchReplayResult:
     """One layer: seqs (tokens, k) actual expert ids per sequence; forecasts (tokens, m) forecast ids
-    for the same tokens (-1: none; None: no forecast at all)."""
+    for the same tokens (-1: none; None: no forecast at all). admit: "any" (evict by the policy) or
+    "free" (free slots only)."""
+    if admit not in ("any", "free"):
+        raise ValueError(f"admit {admit!r}; expected 'any' or 'free'")
     table = SlotTable({0: n_experts}, {0: slots}, policy)
     ls = table.layers[0]
     reads = tokens = 0
@@ -60,6 +65,8 @@ def replay_prefetch(seqs: list[np.ndarray], forecasts: list[np.ndarray] | None, 
             table.pin(0, protected)  # resident forecast experts first: a prefetch must not evict them
             for e in named.tolist():
                 if ls.expert_to_slot[e] >= 0:
+                    continue
+                if admit == "free" and not (ls.state[: ls.usable] == 0).any():
                     continue
                 slot = table.reserve(ExpertKey(0, e), prefetch=True)
                 if slot is None:

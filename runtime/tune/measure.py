@@ -26,6 +26,7 @@ class Workload:
     max_tokens: int  # tokens generated per prompt
     io_mode: str = "buffered"  # loader I/O mode
     threads: int = 4  # loader threads
+    inject: str = ""  # storage fault/latency injection (storage/faults.py), e.g. "slow:ms=1": EMULATED read latency
 
 
 class SettingRunner:
@@ -49,7 +50,7 @@ class SettingRunner:
         facts = {"draft_ms_per_round": [], "load_ms_per_expert": [], "verify_ms_per_round": []}
         for prompt in w.prompts:
             om = OffloadedModel.load(w.model, OffloadConfig(budget=w.budget, policy=s.policy, io_mode=w.io_mode,
-                                                            threads=w.threads))
+                                                            threads=w.threads, inject=w.inject))
             try:
                 ids = list(om.tokenizer.encode(prompt))
                 _, st, layers = run_speculative(om, w.draft, ids, max_tokens=w.max_tokens, num_draft=s.num_draft,

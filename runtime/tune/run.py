@@ -31,8 +31,12 @@ from runtime.tune.tuner import (
 
 
 def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens: int, io_mode: str, threads: int,
-             json_path: Path | None, table) -> None:
-    runner = SettingRunner(Workload(model, draft, budget, read_prompts(prompts), max_tokens, io_mode, threads))
+             json_path: Path | None, table, inject: str = "") -> None:
+    """`inject` (hidden --inject): storage latency injection for every measured run, e.g. "slow:ms=1" (EMULATED
+    reads; the tuning file then describes the emulated disk, so use it on a copy of the model)."""
+    runner = SettingRunner(Workload(model, draft, budget, read_prompts(prompts), max_tokens, io_mode, threads, inject))
+    if inject:
+        err_console.print(f"EMULATED: every run with --inject {inject!r}", highlight=False)
     n, k = runner.n_moe_layers, runner.top_k
     measured = []
     with progress_bar(console=err_console) as bar:
@@ -41,7 +45,8 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         def run(s: Setting):
             if any(m.setting == s for m in measured):
                 return
-            bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy} lookahead {s.lookahead}")
+            bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy} "
+                                         f"lookahead {s.lookahead}/{s.lookahead_experts}")
             m, facts = runner.measure(s)
             measured.append(m)
             return facts
@@ -95,10 +100,12 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
     key = tuning_key(runner.model_id["digest"], config_digest(runner.draft_config), budget)
     path = save_tuning(model, key, choice, measured)
     console.print(table(sorted(measured, key=lambda m: m.setting.simplicity()), "tuning measurements"))
-    console.print(f"chosen: cutoff {choice.setting.cutoff}, predictor {choice.setting.predictor}, K={choice.setting.num_draft}, "
-                  f"policy {choice.setting.policy} — {choice.reason}", highlight=False)
+    c = choice.setting
+    ahead = f"lookahead {c.lookahead} layer(s) ahead, {c.lookahead_experts or k} experts/token" if c.lookahead else "lookahead off"
+    console.print(f"chosen: cutoff {c.cutoff}, predictor {c.predictor}, K={c.num_draft}, policy {c.policy}, {ahead} — "
+                  f"{choice.reason}", highlight=False)
     err_console.print(f"wrote {path}")
     if json_path:
-        write_json(json_path, {"chosen": asdict(choice.setting), "reason": choice.reason, "bound": bound,
+        write_json(json_path, {"chosen": asdict(choice.setting), "reason": choice.reason, "bound": bound, "inject": inject,
                                "prefetch_applies": not holds_all,
                                "facts": facts, "measured": [asdict(m) for m in measured]})
