@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-@dataclass
+@dataclass(slots=True)  # slots: built and added up for every MoE layer of every forward
 class LayerRecord:
     n_tokens: int = 0  # tokens through the layer
     n_pairs: int = 0  # (token, expert) pairs = tokens x k
@@ -100,10 +100,24 @@ class Telemetry:
     def on_forward(self, calls: list) -> None:
         """A whole forward's calls at once, [(layer, ids (tokens, k), n_unique, (hits, misses, prefetch_used,
         bytes_read, stall_ms))], in layer order: the same records as on_call() for each, without
-        re-deriving the unique experts."""
-        for layer, ids, n_unique, (hits, misses, prefetch_used, bytes_read, stall_ms) in calls:
-            self._record(layer, ids, LayerRecord(ids.shape[0], ids.size, n_unique, hits, misses, prefetch_used,
-                                                 bytes_read, stall_ms))
+        re-deriving the unique experts, filed in one loop (the decoder's bookkeeping of every token)."""
+        if not calls:
+            return
+        cur = self._current
+        if cur is not None and cur.layers and calls[0][0] not in cur.layers and \
+                not cur.layers.keys().isdisjoint(c[0] for c in calls):
+            for layer, ids, n_unique, st in calls:  # a round already holding some of these layers: call by call
+                self._record(layer, ids, LayerRecord(ids.shape[0], ids.size, n_unique, *st))
+            return
+        ids0 = calls[0][1]
+        self._record(calls[0][0], ids0, LayerRecord(ids0.shape[0], ids0.size, calls[0][2], *calls[0][3]))
+        layers, totals, routing = self._current.layers, self.totals, self._routing if self.tracing else None
+        for layer, ids, n_unique, st in calls[1:]:
+            rec = LayerRecord(ids.shape[0], ids.size, n_unique, *st)
+            layers[layer] = rec
+            totals[layer].add(rec)
+            if routing is not None:
+                routing[layer] = ids
 
     def _record(self, layer: int, ids: np.ndarray, rec: LayerRecord) -> None:
         """File one layer call; a layer seen again in the open round starts a new round."""
