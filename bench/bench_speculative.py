@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,21 +53,26 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                                                    inject=inject))
     try:
         ids = list(om.tokenizer.encode(prompt))
+        cpu0 = time.process_time()  # this process's CPU time, loader threads included; less moved by other tenants than wall time
         if variant == "no-spec":
             _, stats = generate_tokens(om.model, ids, max_tokens=args.tokens, om=om)
             n = stats.n_tokens - 1  # the first token comes from prefill
             return {"tokens_per_s": stats.tokens_per_s, "tokens": n, "misses": stats.misses_per_token * n,
+                    "cpu_ms_per_token": (time.process_time() - cpu0) * 1e3 / stats.n_tokens,
                     "mb": stats.mb_read_per_token * n, "syncs_per_token": stats.host_syncs_per_token,
                     "repairs_per_token": stats.repairs_per_token}
         dmodel, dconfig = load_drafter(draft, om)
+        cpu0 = time.process_time()  # loading the drafter is not decoding
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
                                            predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
                                            draft_config=dconfig, one_sync=args.one_sync,
                                            forecast_k=args.forecast_k, forecast_limit=args.forecast_limit,
                                            adaptive_k=not args.fixed_k)
+        cpu_ms_per_token = (time.process_time() - cpu0) * 1e3 / stats.n_tokens
         c = stats.counters
         forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
         return {"tokens_per_s": stats.n_tokens / stats.decode_s, "tokens": stats.n_tokens, "misses": c["misses"],
+                "cpu_ms_per_token": cpu_ms_per_token,
                 "mb": c["bytes_read"] / 1e6, "acceptance": stats.acceptance,
                 "tokens_per_verify": stats.tokens_per_verify, "recall": stats.recall(layers or None),
                 "precision": stats.precision(layers or None),
@@ -82,9 +89,16 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
     prompt and repeat (variants of a prompt run back to back, so machine drift mostly cancels)."""
     tokens = sum(r["tokens"] for r in runs)
     ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base)] if base else None
+    cpu = [b["cpu_ms_per_token"] / r["cpu_ms_per_token"] for r, b in zip(runs, base)] if base else None
+    verdict = None
+    if ratios:  # faster or slower only when every prompt run says so
+        verdict = "faster" if min(ratios) > 1 else "slower" if max(ratios) < 1 else "within the noise"
     out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
            "vs_no_spec": statistics.median(ratios) if ratios else None,
            "vs_no_spec_min": min(ratios) if ratios else None, "vs_no_spec_max": max(ratios) if ratios else None,
+           "verdict": verdict, "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs),
+           "cpu_vs_no_spec": statistics.median(cpu) if cpu else None,
+           "cpu_vs_no_spec_min": min(cpu) if cpu else None, "cpu_vs_no_spec_max": max(cpu) if cpu else None,
            "n_runs": len(runs),
            "misses_per_token": sum(r["misses"] for r in runs) / tokens,
            "mb_read_per_token": sum(r["mb"] for r in runs) / tokens}
@@ -130,6 +144,7 @@ def main() -> None:
     variants = args.variants.split(",")
     prompts = [l.strip() for l in args.prompts.read_text().splitlines() if l.strip()]
     results = {}
+    load0 = os.getloadavg()
     for budget in args.budgets.split(","):
         runs = {v: [] for v in variants}
         for rep in range(args.repeats):
@@ -141,14 +156,19 @@ def main() -> None:
             results[f"{budget} {variant}"] = summarise(runs[variant], runs.get("no-spec"))
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(prompts)} prompts, "
           f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}, {args.repeats} pass(es); "
-          "tok/s: median over runs; vs no-spec: median [min-max] of per-prompt ratios"
+          "tok/s: median over runs; vs no-spec: median [min-max] of per-prompt ratios (verdict: faster/slower only "
+          "when every prompt run says so); CPU: no-spec's CPU ms/token over the variant's, same prompt and pass; load "
+          f"average {load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
           + (f"; EMULATED read latency +{args.emulate_read_ms} ms per expert" if args.emulate_read_ms else ""))
-    print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec [min-max]':>22}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
+    print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec [min-max]':>22}{'verdict':>17}{'CPU vs no-spec':>20}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
           f"{'recall':>8}{'precis.':>8}{'fc/layer':>9}{'1-sync':>8}{'K':>7}")
     for key, r in results.items():
         fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
         spread = f"{r['vs_no_spec']:.2f} [{r['vs_no_spec_min']:.2f}-{r['vs_no_spec_max']:.2f}]" if r["vs_no_spec"] else "-"
-        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{spread:>22}{r['misses_per_token']:>12.2f}"
+        cpu = (f"{r['cpu_vs_no_spec']:.2f} [{r['cpu_vs_no_spec_min']:.2f}-{r['cpu_vs_no_spec_max']:.2f}]"
+               if r["cpu_vs_no_spec"] and not key.endswith(" no-spec") else "-")
+        verdict = r["verdict"] if r["verdict"] and not key.endswith(" no-spec") else "-"
+        print(f"{key:<22}{r['tokens_per_s']:>8.1f}{spread:>22}{verdict:>17}{cpu:>20}{r['misses_per_token']:>12.2f}"
               f"{r['mb_read_per_token']:>9.3f}{fmt(r['acceptance'], '{:.0%}'):>8}{fmt(r['tokens_per_verify'], '{:.2f}'):>11}"
               f"{fmt(r['recall'], '{:.2f}'):>8}{fmt(r['precision'], '{:.2f}'):>8}"
               f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}{fmt(r['mean_k'], '{:.2f}'):>7}")
@@ -156,6 +176,7 @@ def main() -> None:
                       "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
                       "one_sync": args.one_sync, "forecast_k": args.forecast_k, "adaptive_k": not args.fixed_k,
                       "forecast_limit": args.forecast_limit, "repeats": args.repeats, "prompts": prompts,
+                      "load_avg": [load0, os.getloadavg()],
                       "results": results}))
     if scratch is not None:
         scratch.cleanup()
