@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,27 +41,44 @@ def main() -> None:
         for om in models.values():
             decode_tps(om.model, om.tokenizer, 8, om)
         samples = {name: [] for name in VARIANTS}
+        cpu = {name: [] for name in VARIANTS}  # this process's CPU ms per token: less moved by other tenants
+        order = random.Random(0)
+        load0 = os.getloadavg()
         for _ in range(args.trials):
-            for name, om in models.items():
+            for name in order.sample(list(models), len(models)):  # a fresh order each trial
+                om = models[name]
+                c0 = time.process_time()
                 samples[name].append(decode_tps(om.model, om.tokenizer, args.tokens, om)[0])
+                cpu[name].append((time.process_time() - c0) * 1e3 / args.tokens)
+        load1 = os.getloadavg()
         for om in models.values():
             om.close()
     base = statistics.median(samples["off"])
     print(f"decode tok/s at budget {args.budget}, median of {args.trials} interleaved trials; vs off: median [min-max] "
-          "of per-trial ratios (each trial runs every variant back to back)")
-    print(f"{'telemetry':<16}{'tok/s':>9}{'min-max':>15}{'vs off [min-max]':>24}  verdict")
+          "of per-trial ratios (each trial runs every variant back to back, in a fresh order); CPU vs off: off's CPU "
+          f"ms/token over the variant's, per trial; load average {load0[0]:.1f} before, {load1[0]:.1f} after")
+    print(f"{'telemetry':<16}{'tok/s':>9}{'min-max':>15}{'vs off [min-max]':>24}  {'verdict':<17}"
+          f"{'CPU ms/tok':>10}{'CPU vs off [min-max]':>24}  CPU verdict")
     results = {}
     for name in VARIANTS:
         tps = statistics.median(samples[name])
         ratios = [a / b for a, b in zip(samples[name], samples["off"])]
         verdict = ("-" if name == "off" else "within the noise" if min(ratios) <= 1 <= max(ratios)
                    else "slower" if max(ratios) < 1 else "faster")
+        cratios = [b / a for a, b in zip(cpu[name], cpu["off"])]
+        cverdict = ("-" if name == "off" else "within the noise" if min(cratios) <= 1 <= max(cratios)
+                    else "slower" if max(cratios) < 1 else "faster")
         results[name] = {"tokens_per_s": tps, "tokens_per_s_min": min(samples[name]),
                          "tokens_per_s_max": max(samples[name]), "ratio_vs_off": statistics.median(ratios),
-                         "ratio_min": min(ratios), "ratio_max": max(ratios), "verdict": verdict}
+                         "ratio_min": min(ratios), "ratio_max": max(ratios), "verdict": verdict,
+                         "cpu_ms_per_token": statistics.median(cpu[name]), "cpu_ratio_vs_off": statistics.median(cratios),
+                         "cpu_ratio_min": min(cratios), "cpu_ratio_max": max(cratios), "cpu_verdict": cverdict}
         print(f"{name:<16}{tps:>9.1f}{f'{min(samples[name]):.1f}-{max(samples[name]):.1f}':>15}"
-              f"{f'{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]':>24}  {verdict}")
-    print(json.dumps({"bench": "telemetry", "budget": args.budget, "trials": args.trials, "results": results}))
+              f"{f'{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]':>24}  {verdict:<17}"
+              f"{statistics.median(cpu[name]):>10.2f}"
+              f"{f'{statistics.median(cratios):.3f} [{min(cratios):.3f}-{max(cratios):.3f}]':>24}  {cverdict}")
+    print(json.dumps({"bench": "telemetry", "budget": args.budget, "trials": args.trials, "load_avg": [load0, load1],
+                      "results": results}))
 
 
 if __name__ == "__main__":
