@@ -68,7 +68,8 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                                            draft_config=dconfig, one_sync=args.one_sync,
                                            forecast_k=args.forecast_k, forecast_limit=args.forecast_limit,
                                            adaptive_k=not args.fixed_k)
-        cpu_ms_per_token = (time.process_time() - cpu0) * 1e3 / stats.n_tokens
+        # the oracle's CPU time includes its recording run (run_speculative records, then decodes): not comparable
+        cpu_ms_per_token = None if variant == "oracle" else (time.process_time() - cpu0) * 1e3 / stats.n_tokens
         c = stats.counters
         forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
         return {"tokens_per_s": stats.n_tokens / stats.decode_s, "tokens": stats.n_tokens, "misses": c["misses"],
@@ -89,14 +90,16 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
     prompt and repeat (variants of a prompt run back to back, so machine drift mostly cancels)."""
     tokens = sum(r["tokens"] for r in runs)
     ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base)] if base else None
-    cpu = [b["cpu_ms_per_token"] / r["cpu_ms_per_token"] for r, b in zip(runs, base)] if base else None
+    cpu = ([b["cpu_ms_per_token"] / r["cpu_ms_per_token"] for r, b in zip(runs, base)]
+           if base and runs[0]["cpu_ms_per_token"] is not None else None)
     verdict = None
     if ratios:  # faster or slower only when every prompt run says so
         verdict = "faster" if min(ratios) > 1 else "slower" if max(ratios) < 1 else "within the noise"
     out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
            "vs_no_spec": statistics.median(ratios) if ratios else None,
            "vs_no_spec_min": min(ratios) if ratios else None, "vs_no_spec_max": max(ratios) if ratios else None,
-           "verdict": verdict, "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs),
+           "verdict": verdict,
+           "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs) if cpu or not base else None,
            "cpu_vs_no_spec": statistics.median(cpu) if cpu else None,
            "cpu_vs_no_spec_min": min(cpu) if cpu else None, "cpu_vs_no_spec_max": max(cpu) if cpu else None,
            "n_runs": len(runs),
@@ -157,7 +160,8 @@ def main() -> None:
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(prompts)} prompts, "
           f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}, {args.repeats} pass(es); "
           "tok/s: median over runs; vs no-spec: median [min-max] of per-prompt ratios (verdict: faster/slower only "
-          "when every prompt run says so); CPU: no-spec's CPU ms/token over the variant's, same prompt and pass; load "
+          "when every prompt run says so); CPU: no-spec's CPU ms/token over the variant's, same prompt and pass (not for the "
+          "oracle, whose CPU time includes its recording run); load "
           f"average {load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
           + (f"; EMULATED read latency +{args.emulate_read_ms} ms per expert" if args.emulate_read_ms else ""))
     print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec [min-max]':>22}{'verdict':>17}{'CPU vs no-spec':>20}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
