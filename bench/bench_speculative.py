@@ -99,7 +99,8 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
            "vs_no_spec": statistics.median(ratios) if ratios else None,
            "vs_no_spec_min": min(ratios) if ratios else None, "vs_no_spec_max": max(ratios) if ratios else None,
            "verdict": verdict,
-           "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs) if cpu or not base else None,
+           "cpu_ms_per_token": (statistics.median(r["cpu_ms_per_token"] for r in runs)
+                                if runs[0]["cpu_ms_per_token"] is not None else None),
            "cpu_vs_no_spec": statistics.median(cpu) if cpu else None,
            "cpu_vs_no_spec_min": min(cpu) if cpu else None, "cpu_vs_no_spec_max": max(cpu) if cpu else None,
            "n_runs": len(runs),
