@@ -82,7 +82,7 @@ if [[ -z $CHECK$LIST ]] && { wanted tune || wanted tuned; }; then
   TUNED="$TUNED_DIR/target"; [[ -d $TUNED ]] || cp -r "$TARGET" "$TUNED"
 else TUNED="$TARGET"; fi
 run tune specmoe tune -m "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --json "$OUT/tune.json"
-run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 5 --io-mode direct
+run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 4 --io-mode direct
 run hotpath python bench/bench_hotpath.py
 run decode python bench/bench_decode.py
 run decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50%,25% --trials 5
