@@ -16,6 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script (bench/run_all.sh)
 
 from bench.readless_replay import (
     ROOT,

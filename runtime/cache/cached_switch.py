@@ -18,11 +18,11 @@ Invariants:
 - A normal call reads the router's choice back to the host (one sync per MoE layer); a
   lookahead forecast of later layers, if attached, is evaluated in that same sync.
 - Inside a device pass (runtime/decode/device_pass.py), a call whose tokens x k fit the
-  layer's usable slots (and that has no lookahead attached) maps the router's ids through the
-  cache's persistent device table (expert -> slot, or n_slots + expert when absent) on the
-  device: no host sync, no Python per expert; an absent expert reads the last slot and is
+  layer's usable slots maps the router's ids through the cache's persistent device table
+  (expert -> slot, or n_slots + expert when absent) on the device: no host sync, no Python per expert; an absent expert reads the last slot and is
   flagged (its code >= n_slots) for the pass to repair. The pass holds the layer (no
-  eviction) until it evaluated the forward.
+  eviction) until it evaluated the forward. A lookahead forecast, if attached, is handed to
+  the pass lazily (it reads it back with the forward's one sync).
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
   else the stock SwitchGLU, as single tokens do.
@@ -124,6 +124,8 @@ class CachedSwitchGLU(nn.Module):
         if device is not None and self.layer in device.lookup_layers:
             out, slots = self.lookup(x, indices)
             device.record(self.layer, indices, slots)
+            if self.lookahead is not None:
+                device.record_ahead(self.layer, self.lookahead, self.lookahead.start(self.layer, x))
             return out
         self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
         ahead = self.lookahead.start(self.layer, x) if self.lookahead is not None else None

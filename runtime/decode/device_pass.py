@@ -17,7 +17,11 @@ same input, hence routes to the same, now resident, experts), so there are at mo
 MoE layer.
 
 Lookup codes are slots, or n_slots + expert for an absent expert (runtime/cache/resident_tables.py).
-Hook for forecasters (lookahead prefetch): each of om.forward_hooks is called with the accepted
+The router lookahead (a module's `lookahead`), if attached, is folded in: each layer's forecast of
+later layers is built in the same graph and read back with the same sync and scored; if its hook
+asks (in_repairs), a repair also reads the forecast experts of the layers after the first missing
+one (runtime/decode/lookahead_pass.py).
+Hook for forecasters (prefetch): each of om.forward_hooks is called with the accepted
 forward's routing {layer: ids (T, k)} right after its sync, before the next forward is built --
 the one moment no device-lookup graph is pending, so prefetches queued there may evict.
 The bookkeeping of an accepted forward -- recency, hits and misses, prefetch use, observer,
@@ -41,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
+from runtime.decode.lookahead_pass import PassForecasts
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 
 
@@ -93,10 +98,14 @@ class DevicePass:
         self._syncs0 = 0
         self._lookup_key, self._lookup = None, frozenset()
         self._n_slots = [self.cache.n_slots(l) for l in self.order]
+        self.ahead = PassForecasts(self.index)  # router-lookahead forecasts recorded in the graph
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
         self._records.append((layer, indices, codes))
+
+    def record_ahead(self, layer: int, hook, forecast: list) -> None:
+        self.ahead.record(layer, hook, forecast)
 
     def record_synced(self, layer: int, ids: np.ndarray, calls: list) -> None:
         self._synced[layer] = (ids, calls)
@@ -116,15 +125,14 @@ class DevicePass:
             raise RuntimeError("launch() while a forward is pending; finish() it first")
         cap = self.top_k * n_tokens
         usable = self.cache.usable_now()
-        # A layer with a lookahead forecaster attached keeps its synced call: the forecast rides on that sync.
-        ahead = tuple(self.modules[l].lookahead is not None for l in self.order)
-        key = (cap, tuple(usable.values()), ahead)
-        if key != self._lookup_key:  # which layers fit changes only with the window, a resize or a lookahead
+        key = (cap, tuple(usable.values()))
+        if key != self._lookup_key:  # which layers fit changes only with the window or a resize
             self._lookup_key = key
-            self._lookup = frozenset(l for l, a in zip(self.order, ahead) if cap <= usable[l] and not a)
+            self._lookup = frozenset(l for l in self.order if cap <= usable[l])
         self.lookup_layers = self._lookup
         snapshot = snapshot_untrimmable(cache)
         self._host, self._synced = {}, {}
+        self.ahead.reset()
         self._syncs0 = self.cache.host_syncs
         self.replay.start()
         try:
@@ -153,9 +161,9 @@ class DevicePass:
                     packed = mx.stack(arrays)  # one array, one transfer: codes of every layer, then ids
                 else:
                     packed = mx.concatenate([a.reshape(-1).astype(mx.int64) for a in arrays])
-                mx.async_eval(out, packed)
+                mx.async_eval(out, packed, self.ahead.arrays())
             else:
-                mx.async_eval(out)
+                mx.async_eval(out, self.ahead.arrays())
         except BaseException:
             self.cache.release(held)
             raise
@@ -167,10 +175,11 @@ class DevicePass:
     def _sync(self, launch: _Launch) -> list[int]:
         """The host sync of a built forward; returns the MoE layers with an absent expert."""
         try:
-            mx.eval(launch.out, launch.packed) if launch.packed is not None else mx.eval(launch.out)
+            mx.eval(launch.out, [] if launch.packed is None else launch.packed, self.ahead.arrays())  # one sync
         finally:
             self.cache.release(launch.held)
         self.cache.host_syncs += 1
+        self.ahead.after_sync()
         if launch.packed is None:
             return []
         n, k = len(launch.layers), launch.shapes[0][-1]
@@ -207,7 +216,7 @@ class DevicePass:
         self.stats.repairs += repairs
         self.stats.host_syncs += syncs
         self.stats.multi_sync += syncs > 1
-        self._book = (self._host, self._synced, loaded)
+        self._book = (self._host, self._synced, loaded, self.ahead.take())
         self._host, self._synced = {}, {}
         return launch.out
 
@@ -220,12 +229,14 @@ class DevicePass:
 
     def _repair(self, launch: _Launch, missing: list[int], loaded: dict) -> _Launch:
         self.flush()  # the previous forward's recency first: it decides what is evicted
-        first = min(self.index[l] for l in missing)
+        first = missing_at = min(self.index[l] for l in missing)
         if launch.n_tokens > 1 or any(isinstance(c, RotatingKVCache) for c in launch.cache):
             # A window's attention mask, and a sliding-window mask at any length, are built from the first
             # cache's offset, which a kept layer has already advanced: recompute every layer then.
             first = 0
         needs = {l: np.unique(self._host[l][0]) for l in missing}
+        needs = self.ahead.extend(needs, missing_at, self.cache.usable_now())  # forecasts from right inputs
+        self.ahead.drop_from(first)
         for layer, (read, nbytes, ms) in self.cache.load_absent(needs).items():
             loaded.setdefault(layer, []).append((read, nbytes, ms))
             self.stats.repair_reads += len(read)
@@ -244,7 +255,7 @@ class DevicePass:
         if self._book is None:
             return
         t0 = time.perf_counter()
-        host, synced, loaded = self._book
+        host, synced, loaded, forecasts = self._book
         self._book = None
         rows, wasted = [], 0
         for layer in self.order:
@@ -281,6 +292,9 @@ class DevicePass:
                 observer(layer, ids)
         if self.om.telemetry is not None:
             self.om.telemetry.on_forward(calls)
+        if forecasts:
+            self.ahead.score(forecasts, {l: h[0] for l, h in host.items()},
+                             {l: self.modules[l].lookahead for l in host})
         self.cache.unprotect()  # the forward has passed every layer: their forecasts have served
         self.stats.wasted_reads += wasted
         self.stats.bookkeeping_s += time.perf_counter() - t0

@@ -10,8 +10,10 @@ its own routing (one host sync, as before); finish(layer, forecast, ids) then
   ExpertCache.prefetch (prefetch priority, below every demand read; each forecast expert
   is protected from eviction until its layer's call, which ends the protection).
 
-Passes that run with one host sync (runtime/decode/one_sync.py) do not call the hook:
-they only run when every expert is already resident, so there is nothing to fetch.
+In one-sync device passes (runtime/decode/device_pass.py) no layer waits for a sync, so
+there is no moment to queue a prefetch: the pass records start()'s forecasts in its graph,
+reads them back with its one sync, adds them to a repair's reads (runtime/decode/lookahead_pass.py)
+and scores them with finish(..., queue=False).
 
 A runtime gate switches queueing off when it does not pay: once `probe` prefetched
 experts have been scored, if fewer than `min_precision` of them were used, reads stop
@@ -54,6 +56,7 @@ class LookaheadPrefetch:
         self.queue = queue  # False: score only (recall measurements)
         self.min_precision = min_precision
         self.probe = probe
+        self.in_repairs = False  # one-sync passes: a repair also reads the forecast experts (lookahead_pass.py)
         self.stats = LookaheadStats({j: ForecastScore() for j in lookahead.distances})
         self._open: dict[int, list[tuple[int, np.ndarray]]] = {}  # target layer -> [(distance, experts)]
         self._window = ForecastScore()  # precision of queued forecasts since the gate last decided
@@ -68,7 +71,9 @@ class LookaheadPrefetch:
         """The lazy forecast from `layer`'s MoE input, or [] (nothing to forecast from here)."""
         return self.lookahead.forecast(layer, x)
 
-    def finish(self, layer: int, forecast, ids: np.ndarray) -> None:
+    def finish(self, layer: int, forecast, ids: np.ndarray, queue: bool = True) -> None:
+        """Score the forecasts made earlier for `layer` against `ids` (its routing), record `forecast`
+        (from start(), lazy or evaluated) and, if `queue` and the gate allows, queue it as prefetch reads."""
         if layer == self.first_layer:
             self._open = {}
         used = np.unique(ids)
@@ -85,7 +90,7 @@ class LookaheadPrefetch:
             self._open.setdefault(hop.target, []).append((hop.distance, experts))
             self.stats.forecasts += 1
             keys += [ExpertKey(hop.target, int(e)) for e in experts]
-        if keys:
+        if keys and queue:
             if self.prefetching:
                 self.stats.queued_bytes += self.cache.prefetch(keys, round_id=None)
             else:
