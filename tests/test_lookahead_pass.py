@@ -26,14 +26,18 @@ def test_lookahead_in_device_passes_adds_no_sync_and_stays_lossless(tiny_dirs):
     try:
         ids = om.tokenizer.encode(PROMPT)
         expected = greedy_ids(om.model, ids, N)
-        hook = om.set_lookahead(1, 4, min_prob=0.0)
+        hook = om.set_lookahead(1, 4, min_prob=0.0)  # prefetching: each source layer keeps a synced call
+        tokens, st = generate_tokens(om.model, ids, max_tokens=N, om=om)
+        assert tokens == expected and hook.stats.queued_bytes > 0
+        assert st.host_syncs_per_token >= 1 + st.repairs_per_token + len(om.moe_layers) - 1 - 1e-9
+        om.empty_cache()
+        hook = om.set_lookahead(1, 4, min_prob=0.0, in_pass=True)
         tokens, st = generate_tokens(om.model, ids, max_tokens=N, om=om)  # one-sync device passes (default)
         assert tokens == expected
         assert st.one_sync_tries > 0 and st.repairs_per_token > 0  # 25%: the passes had to repair
         # Every host sync is a pass's own or a repair's: no layer kept a synced call for the forecast.
         assert st.host_syncs_per_token == pytest_approx(1 + st.repairs_per_token)
         assert hook.stats.forecasts > 0 and 0 < hook.stats.by_distance[1].recall <= 1
-        assert hook.stats.queued_bytes == 0  # nothing queued: in a pass the forecast serves repairs
         assert om.cache.active_pass is None
     finally:
         om.close()
@@ -49,7 +53,7 @@ def test_a_repair_reads_forecast_experts_and_the_output_is_exact(tiny_dirs):
         cache = make_prompt_cache(om.model)
         mx.eval(om.model(mx.array(ids[:-1])[None], cache=cache))
         om.empty_cache()
-        hook = om.set_lookahead(1, 4, min_prob=0.0)
+        hook = om.set_lookahead(1, 4, min_prob=0.0, in_pass=True)
         offsets = [c.offset for c in cache]
         dp = DevicePass(om)  # default: forecasts are scored, not read by repairs
         dp.run(lambda: om.model(mx.array(ids[-1:])[None], cache=cache), cache, 1)

@@ -19,10 +19,11 @@ Invariants:
   lookahead forecast of later layers, if attached, is evaluated in that same sync.
 - Inside a device pass (runtime/decode/device_pass.py), a call whose tokens x k fit the
   layer's usable slots maps the router's ids through the cache's persistent device table
-  (expert -> slot, or n_slots + expert when absent) on the device: no host sync, no Python per expert; an absent expert reads the last slot and is
-  flagged (its code >= n_slots) for the pass to repair. The pass holds the layer (no
-  eviction) until it evaluated the forward. A lookahead forecast, if attached, is handed to
-  the pass lazily (it reads it back with the forward's one sync).
+  (expert -> slot, or n_slots + expert when absent) on the device: no host sync, no Python
+  per expert; an absent expert reads the last slot and is flagged (its code >= n_slots) for
+  the pass to repair. The pass holds the layer (no eviction) until it evaluated the
+  forward. A lookahead attached `in_pass` hands its forecast to the pass lazily (read back
+  with the forward's one sync); a prefetching one makes the pass keep the layer's synced call.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
   else the stock SwitchGLU, as single tokens do.

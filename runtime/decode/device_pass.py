@@ -17,10 +17,11 @@ same input, hence routes to the same, now resident, experts), so there are at mo
 MoE layer.
 
 Lookup codes are slots, or n_slots + expert for an absent expert (runtime/cache/resident_tables.py).
-The router lookahead (a module's `lookahead`), if attached, is folded in: each layer's forecast of
-later layers is built in the same graph and read back with the same sync and scored; if its hook
-asks (in_repairs), a repair also reads the forecast experts of the layers after the first missing
-one (runtime/decode/lookahead_pass.py).
+The router lookahead (a module's `lookahead`): a prefetching one keeps its layer's synced call (the
+forecast rides on that sync and is queued before the layer's own reads); one attached `in_pass` is
+folded in: the layer looks up on the device, its forecast of later layers is built in the same graph,
+read back with the same sync and scored, and if its hook asks (in_repairs) a repair also reads the
+forecast experts of the layers after the first missing one (runtime/decode/lookahead_pass.py).
 Hook for forecasters (prefetch): each of om.forward_hooks is called with the accepted
 forward's routing {layer: ids (T, k)} right after its sync, before the next forward is built --
 the one moment no device-lookup graph is pending, so prefetches queued there may evict.
@@ -125,10 +126,12 @@ class DevicePass:
             raise RuntimeError("launch() while a forward is pending; finish() it first")
         cap = self.top_k * n_tokens
         usable = self.cache.usable_now()
-        key = (cap, tuple(usable.values()))
-        if key != self._lookup_key:  # which layers fit changes only with the window or a resize
+        # A layer whose lookahead prefetches keeps its synced call: the forecast rides on that sync.
+        synced = tuple(getattr(self.modules[l].lookahead, "in_pass", True) is False for l in self.order)
+        key = (cap, tuple(usable.values()), synced)
+        if key != self._lookup_key:  # which layers fit changes only with the window, a resize or a lookahead
             self._lookup_key = key
-            self._lookup = frozenset(l for l in self.order if cap <= usable[l])
+            self._lookup = frozenset(l for l, s in zip(self.order, synced) if cap <= usable[l] and not s)
         self.lookup_layers = self._lookup
         snapshot = snapshot_untrimmable(cache)
         self._host, self._synced = {}, {}

@@ -3,8 +3,9 @@
 Shapes: T = tokens of the forward, m = experts the lookahead takes per token.
 
 In a device pass every layer looks its experts up on the device and the whole forward is read
-back with one host sync, so there is no moment between layers to queue a prefetch. The lookahead
-serves at repairs instead. When layer l finds an expert absent, its own routing is right (its
+back with one host sync, so there is no moment between layers to queue a prefetch. A lookahead
+attached with in_pass=True (OffloadedModel.set_lookahead) is folded in anyway: it costs no host
+sync, is scored, and can serve at repairs. When layer l finds an expert absent, its own routing is right (its
 input was), but every later layer routed from a residual that used a wrong expert output: their
 flagged experts may not be the ones they route to once l is repaired, and then a second repair
 follows. A forecast of a later layer made from the MoE input of a layer at or before l (an input

@@ -10,10 +10,11 @@ its own routing (one host sync, as before); finish(layer, forecast, ids) then
   ExpertCache.prefetch (prefetch priority, below every demand read; each forecast expert
   is protected from eviction until its layer's call, which ends the protection).
 
-In one-sync device passes (runtime/decode/device_pass.py) no layer waits for a sync, so
-there is no moment to queue a prefetch: the pass records start()'s forecasts in its graph,
-reads them back with its one sync, adds them to a repair's reads (runtime/decode/lookahead_pass.py)
-and scores them with finish(..., queue=False).
+In one-sync device passes (runtime/decode/device_pass.py) a layer with this hook keeps its
+synced call (one host sync per such layer, as on the per-layer path), unless `in_pass`: then the
+pass records start()'s forecasts in its graph, reads them back with its one sync, scores them
+with finish(..., queue=False) and, with `in_repairs`, adds them to a repair's reads
+(runtime/decode/lookahead_pass.py). No layer waits for a sync there, so nothing is prefetched.
 
 A runtime gate switches queueing off when it does not pay: once `probe` prefetched
 experts have been scored, if fewer than `min_precision` of them were used, reads stop
@@ -49,14 +50,17 @@ class LookaheadStats:
 
 class LookaheadPrefetch:
     def __init__(self, cache, lookahead, first_layer: int, *, queue: bool = True, min_precision: float = 0.25,
-                 probe: int = 256):
+                 probe: int = 256, in_pass: bool = False):
         self.cache = cache  # the ExpertCache to prefetch into
         self.lookahead = lookahead  # a predictor.lookahead.RouterLookahead
         self.first_layer = first_layer  # the first MoE layer: its call opens a new forward
         self.queue = queue  # False: score only (recall measurements)
         self.min_precision = min_precision
         self.probe = probe
-        self.in_repairs = False  # one-sync passes: a repair also reads the forecast experts (lookahead_pass.py)
+        # In one-sync device passes: False keeps each source layer's synced call (prefetch as on the per-layer
+        # path); True folds the forecast into the pass (no sync of its own, scored, no prefetch; lookahead_pass.py).
+        self.in_pass = in_pass
+        self.in_repairs = False  # in_pass: a repair also reads the forecast experts of the layers after the miss
         self.stats = LookaheadStats({j: ForecastScore() for j in lookahead.distances})
         self._open: dict[int, list[tuple[int, np.ndarray]]] = {}  # target layer -> [(distance, experts)]
         self._window = ForecastScore()  # precision of queued forecasts since the gate last decided

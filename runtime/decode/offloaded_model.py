@@ -247,11 +247,14 @@ class OffloadedModel:
         self.cache.empty()
 
     def set_lookahead(self, distance: int | None, per_token: int | None = None, *, targets=None,
-                      queue: bool = True, distances: tuple[int, ...] | None = None, min_prob: float | None = None):
+                      queue: bool = True, distances: tuple[int, ...] | None = None, min_prob: float | None = None,
+                      in_pass: bool = False):
         """Forecast each MoE layer's experts from the layer `distance` MoE layers before it (its input
         through the later layers' routers) and prefetch them; `per_token` experts per token (default
         top-k) whose router probability is at least `min_prob` (None: 3 / n_experts; 0: all of them); only
-        `targets` layers if given; queue=False only scores (recall by distance). None or 0 detaches it.
+        `targets` layers if given; queue=False only scores (recall by distance); in_pass: in one-sync device
+        passes, fold the forecast into the pass (no host sync of its own, no prefetch) instead of keeping a
+        synced call per source layer. None or 0 detaches it.
         Returns the LookaheadPrefetch (its .stats) or None."""
         from predictor.lookahead import RouterLookahead
         from runtime.decode.lookahead_prefetch import LookaheadPrefetch
@@ -259,7 +262,7 @@ class OffloadedModel:
         hook = None
         if distance or distances:
             la = RouterLookahead(self.routers(), distances or (distance,), per_token or self.top_k, targets, min_prob)
-            hook = LookaheadPrefetch(self.cache, la, self.moe_layers[0], queue=queue)
+            hook = LookaheadPrefetch(self.cache, la, self.moe_layers[0], queue=queue, in_pass=in_pass)
         for m in self.modules.values():
             m.lookahead = hook
         self.lookahead = hook
