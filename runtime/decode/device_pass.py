@@ -127,7 +127,8 @@ class DevicePass:
         cap = self.top_k * n_tokens
         usable = self.cache.usable_now()
         # A layer whose lookahead prefetches keeps its synced call: the forecast rides on that sync.
-        synced = tuple(getattr(self.modules[l].lookahead, "in_pass", True) is False for l in self.order)
+        synced = tuple((h := self.modules[l].lookahead) is not None and not getattr(h, "in_pass", False)
+                       for l in self.order)
         key = (cap, tuple(usable.values()), synced)
         if key != self._lookup_key:  # which layers fit changes only with the window, a resize or a lookahead
             self._lookup_key = key
