@@ -35,7 +35,7 @@ from runtime.decode import OffloadConfig, OffloadedModel, generate_tokens
 def _decode(om, prompts, tokens, one_sync):
     """Decode-only figures (GenerationStats leaves prefill out): tok/s median over prompts, sums per token."""
     tps, agg = [], {"tokens": 0, "misses": 0.0, "mb": 0.0}
-    d = {"prefetch_hits": 0.0, "prefetch_loaded": 0.0, "prefetch_wasted": 0.0, "syncs": 0.0}
+    d = {"prefetch_hits": 0.0, "prefetch_loaded": 0.0, "prefetch_wasted": 0.0, "syncs": 0.0, "repairs": 0.0}
     for p in prompts:
         _, st = generate_tokens(om.model, list(om.tokenizer.encode(p)), max_tokens=tokens, om=om, one_sync=one_sync)
         n = st.n_tokens - 1
@@ -47,12 +47,21 @@ def _decode(om, prompts, tokens, one_sync):
         d["prefetch_loaded"] += st.prefetch_reads_per_token * n
         d["prefetch_wasted"] += st.prefetch_wasted_per_token * n
         d["syncs"] += st.host_syncs_per_token * n
+        d["repairs"] += st.repairs_per_token * n
     return statistics.median(tps), agg, d
 
 
-# label -> (lookahead (j, m, min_prob; None: the default 3/E) or None, one_sync)
-LIVE_VARIANTS = {"off": (None, "auto"), "off, per-layer": (None, "off"), "j=1 m=4 p>=3/E": ((1, 4, None), "auto"),
-                 "j=1 m=4 p>=0": ((1, 4, 0.0), "auto"), "j=2 m=4 p>=3/E": ((2, 4, None), "auto")}
+# label -> (lookahead (j, m, min_prob; None: the default 3/E; in_pass; in_repairs) or None, one_sync). "one-sync":
+# the default path (device passes); a prefetching lookahead keeps its source layers' synced calls there, an in-pass
+# one is folded into the pass (no prefetch; with in_repairs a repair also reads its forecasts). "per-layer":
+# --one-sync off, every layer synced (where prefetch overlaps the next layer's reads).
+LIVE_VARIANTS = {"off, one-sync": (None, "auto"), "off, per-layer": (None, "off"),
+                 "j=1 m=4 in-pass, one-sync": ((1, 4, None, True, False), "auto"),
+                 "j=1 m=4 in-pass+repairs, one-sync": ((1, 4, None, True, True), "auto"),
+                 "j=1 m=4 p>=3/E, one-sync": ((1, 4, None, False, False), "auto"),
+                 "j=1 m=4 p>=3/E, per-layer": ((1, 4, None, False, False), "off"),
+                 "j=1 m=4 p>=0, per-layer": ((1, 4, 0.0, False, False), "off"),
+                 "j=2 m=4 p>=3/E, per-layer": ((2, 4, None, False, False), "off")}
 
 
 def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
@@ -67,7 +76,7 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
                     budget="25%", inject=f"slow:ms={ms}" if ms else ""))
                 try:
                     if la is not None:
-                        om.set_lookahead(la[0], la[1], min_prob=la[2])
+                        om.set_lookahead(la[0], la[1], min_prob=la[2], in_pass=la[3]).in_repairs = la[4]
                     tps, agg, d = _decode(om, prompts, tokens, one_sync)
                 finally:
                     om.close()
@@ -77,13 +86,14 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
                                        **{k: v / agg["tokens"] for k, v in d.items()}})
         label = f"EMULATED +{ms:g} ms/read" if ms else "real reads"
         print(f"\nlive plain decode at 25% (dlfu), {label}: decode tok/s median (min-max) over {repeats} interleaved "
-              f"repeats of {len(prompts)} prompts x {tokens} tokens; ratio to off per repeat")
+              f"repeats of {len(prompts)} prompts x {tokens} tokens; ratio per repeat to off on the same path")
         for v in LIVE_VARIANTS:
             e = extra[v]
             med = lambda key: statistics.median(x[key] for x in e)  # noqa: E731
-            ratio = [a / b for a, b in zip(runs[v], runs["off"])]
-            print(f"  lookahead {v:<16}{spread(runs[v]):>22} tok/s  vs off {spread(ratio):>18} | syncs/tok "
-                  f"{med('syncs'):.2f} | demand misses/tok "
+            base = "off, per-layer" if v.endswith("per-layer") else "off, one-sync"
+            ratio = [a / b for a, b in zip(runs[v], runs[base])]
+            print(f"  lookahead {v:<35}{spread(runs[v]):>22} tok/s  vs off {spread(ratio):>18} | syncs/tok "
+                  f"{med('syncs'):.2f} (repairs {med('repairs'):.2f}) | demand misses/tok "
                   f"{med('misses_per_token'):.2f} | MB/tok {med('mb_per_token'):.4f} | prefetch reads/tok "
                   f"{med('prefetch_loaded'):.2f}: used {med('prefetch_hits'):.2f}, wasted {med('prefetch_wasted'):.2f}")
         out[label] = {"tok_s": runs, "detail": extra}
