@@ -54,14 +54,14 @@ def test_more_ranks_than_layers_and_bad_explicit_splits_are_refused():
 
 def _chain_greedy(stages, prompt_ids, n):
     """Greedy decode through stages chained in one process, as the ranks do over send/recv."""
-    def run(tokens):
+    def run(tokens, kind="step"):
         h = stages[0].embed_tokens(tokens)
         for s in stages:
-            h = s.forward(h)
+            h = s.run(h, kind=kind)
         return stages[0].logits(h)
 
     if len(prompt_ids) > 1:
-        mx.eval(run(prompt_ids[:-1]))
+        mx.eval(run(prompt_ids[:-1], "prefill"))
     y, out = prompt_ids[-1], []
     for _ in range(n):
         y = int(mx.argmax(run([y])[0, -1]).item())
@@ -69,18 +69,46 @@ def _chain_greedy(stages, prompt_ids, n):
     return out
 
 
-@pytest.mark.parametrize("family,n_ranks", [("qwen3_moe", 3), ("qwen3_5_moe", 2)])
-def test_chained_stages_equal_stock_mlx_lm(tiny_dirs, packed_dirs, family, n_ranks):
+@pytest.mark.parametrize("family,n_ranks,one_sync", [("qwen3_moe", 3, True), ("qwen3_5_moe", 2, True),
+                                                     ("qwen3_moe", 3, False)])
+def test_chained_stages_equal_stock_mlx_lm(tiny_dirs, packed_dirs, family, n_ranks, one_sync):
+    """Each stage as one device pass (repairs at a 25% budget) or on the synced path: stock tokens either way."""
     model, tok = mlx_load(str(tiny_dirs[family]))
     ids = list(tok.encode("The quick brown fox jumps over the lazy dog."))
     want = greedy_ids(model, ids, 8)
-    stages = [Stage.load(packed_dirs[family], r, n_ranks, StageConfig(budget="25%")) for r in range(n_ranks)]
+    stages = [Stage.load(packed_dirs[family], r, n_ranks, StageConfig(budget="25%", one_sync=one_sync))
+              for r in range(n_ranks)]
     try:
         assert [s.layer_ids for s in stages] == [list(range(a, b)) for a, b in stages[0].split.ranges]
         assert _chain_greedy(stages, ids, 8) == want
     finally:
         for s in stages:
             s.close()
+
+
+def test_a_stage_syncs_once_per_decode_step_with_its_experts_resident(packed_dirs):
+    """Per rank: a decode step is one host sync (the device pass) once its experts are resident; the
+    synced path makes one per MoE layer plus the output's. Repairs while experts are absent add syncs."""
+    path = packed_dirs["qwen3_moe"]
+    ids = [5, 9, 14, 3, 7, 21, 30, 11]
+    per_step = {}
+    for one_sync in (True, False):
+        stages = [Stage.load(path, r, 2, StageConfig(budget="100%", one_sync=one_sync)) for r in range(2)]
+        try:
+            first = _chain_greedy(stages, ids, 6)  # cold: experts read on demand (repairs)
+            for s in stages:
+                s.reset(0)
+                s.syncs.clear()
+            assert _chain_greedy(stages, ids, 6) == first  # warm: every expert of these steps resident
+            per_step[one_sync] = [s.syncs["step"][1] / s.syncs["step"][0] for s in stages]
+            if one_sync:
+                assert all(s.device_pass.stats.repairs > 0 for s in stages)  # the cold run repaired
+            moe = [len(s.modules) for s in stages]
+        finally:
+            for s in stages:
+                s.close()
+    assert per_step[True] == [1.0, 1.0]
+    assert per_step[False] == [m + 1.0 for m in moe]
 
 
 def test_rewind_by_rerun_restores_untrimmable_state(packed_dirs):

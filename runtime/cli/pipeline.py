@@ -1,7 +1,9 @@
 """`specmoe generate --pipeline` and `specmoe serve --pipeline`: the flags turned into a PipelineRun on every rank.
 
 Invariant: flags mean the same as without --pipeline, except --budget, which is per rank
-(a share is of that rank's expert bytes), and the predictors, which are spmoe or none.
+(a share is of that rank's expert bytes), the predictors, which are spmoe or none, and
+--one-sync, which is per stage (auto/on: each rank's window is one device pass; off: a host
+sync per MoE layer).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def pipeline_run(opts: dict):
         max_prefetch_bytes=None if max_mb is None else int(max_mb * 1e6),
         stage=StageConfig(budget=opts["budget"], policy=policy or "lru", threads=opts["threads"], io_mode=opts["io_mode"],
                           verify_checksums=opts["verify"], split=tuple(split) if split else None,
-                          routers=opts["draft"] is not None and (predictor or "spmoe") == "spmoe"),
+                          routers=opts["draft"] is not None and (predictor or "spmoe") == "spmoe",
+                          one_sync=opts.get("one_sync", "auto") != "off"),
         adaptive_k=opts["adaptive_k"], timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"], json_path=opts["json_path"])
 
 
@@ -57,6 +60,4 @@ def serve_pipeline(opts: dict, config) -> int:
     """Every rank: rank 0 serves `config` (a runtime.serve.ServeConfig), the others run their stage."""
     from runtime.pipeline import run_serve
 
-    if config.one_sync != "auto":
-        raise ValueError("--one-sync with --pipeline: the stages choose their own decode pass; leave it at auto")
     return run_serve(pipeline_run(opts), config, log=lambda line: err_console.print(line, highlight=False, markup=False))

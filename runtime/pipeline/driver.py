@@ -42,8 +42,8 @@ class PipelineDriver:
     def window(self, tokens: list[int], *, keep: bool = False, reply: bool = True, round_id: int = 0) -> mx.array | None:
         """Run `tokens` through every stage; (1, T, V) logits, or None when no reply is wanted."""
         t0 = time.perf_counter()
-        h = self.stage.forward(self.stage.embed_tokens(tokens), keep=keep)
-        mx.eval(h)
+        kind = "verify" if keep else "step" if reply else "prefill"
+        h = self.stage.run(self.stage.embed_tokens(tokens), keep=keep, kind=kind)
         self.stage.end_round(round_id)
         self.timer.compute_s += time.perf_counter() - t0
         self.timer.n_windows += 1

@@ -27,6 +27,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from runtime.cache import CachedSwitchGLU, ExpertCache, kv_bytes_estimate, parse_budget, plan_budget
 from runtime.decode import check_supported, text_config, top_k
+from runtime.pipeline.stage_pass import stage_pass
 from runtime.pipeline.split import StageSplit, balanced_split, explicit_split, layer_bytes, layer_of
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
 
@@ -41,6 +42,7 @@ class StageConfig:
     context_tokens: int = 4096  # KV size assumed by --budget auto
     split: tuple[int, ...] | None = None  # layers per rank (--pipeline-split); None: balanced by bytes
     routers: bool = False  # rank 0: also keep every MoE layer's norm + router gate (spmoe forecasts)
+    one_sync: bool = True  # run each window as one device pass (one host sync + repairs); False: a sync per MoE layer
 
 
 def _module(root, path: str):
@@ -73,7 +75,8 @@ class Stage:
     """This rank's layers, caches and (rank 0) embedding, head and tokenizer."""
 
     def __init__(self, *, rank, split, store, loader, cache, plan, layers, layer_ids, modules, kinds,
-                 embed=None, norm=None, head=None, tokenizer=None, routers=None, fingerprint="", resident_bytes=0, chain_trimmable=False):
+                 embed=None, norm=None, head=None, tokenizer=None, routers=None, fingerprint="", resident_bytes=0, chain_trimmable=False,
+                 device_pass=None):
         self.rank = rank
         self.split = split  # StageSplit shared by every rank
         self.store = store
@@ -90,6 +93,8 @@ class Stage:
         self.model_fingerprint = fingerprint  # rank 0: runtime.checkpoints.model_fingerprint of the full model
         self.resident_bytes = resident_bytes  # bytes of the weights this rank evaluated
         self.chain_trimmable = chain_trimmable  # every rank's caches are KV caches (a prompt prefix can be kept)
+        self.device_pass = device_pass  # DevicePass over this stage (None: synced path, one sync per MoE layer)
+        self.syncs: dict[str, list[int]] = {}  # window kind -> [windows, host syncs] (see run())
         self.kv = self.new_cache()
         self._snapshot = None
         self._window: mx.array | None = None
@@ -154,6 +159,7 @@ class Stage:
             mx.eval(keep)
             resident_bytes = sum({id(p): p.nbytes for p in keep}.values())
             layers = [inner.layers[i] for i in range(a, b)]
+            device_pass = stage_pass(cache, modules, layers, list(range(a, b)), k) if cfg.one_sync else None
             kw = {}
             if rank == 0:
                 tie = text.args.tie_word_embeddings
@@ -169,7 +175,7 @@ class Stage:
         return cls(rank=rank, split=split, store=store, loader=loader, cache=cache, plan=plan, layers=layers,
                    layer_ids=list(range(a, b)), modules=modules, kinds=kinds, routers=routers,
                    fingerprint=fingerprint, resident_bytes=resident_bytes,
-                   chain_trimmable=all(kind == "kv" for kind, _ in all_kinds), **kw)
+                   chain_trimmable=all(kind == "kv" for kind, _ in all_kinds), device_pass=device_pass, **kw)
 
     # -- running -------------------------------------------------------------------------
     def new_cache(self) -> list:
@@ -185,19 +191,40 @@ class Stage:
 
     def forward(self, h: mx.array, *, keep: bool = False) -> mx.array:
         """This rank's layers over `h` (1, T, D). keep: snapshot the caches first and keep `h`
-        so rewind() can re-run a prefix (speculative verify windows)."""
+        so rewind() can re-run a prefix (speculative verify windows). With a device pass the
+        output comes back evaluated (one host sync + repairs); without, lazy."""
         cache = self.kv
         if keep:
             self._snapshot = [None if c.is_trimmable() else tree_map(lambda x: x, c.state) for c in cache]
             self._window = h
         is_linear = [bool(getattr(layer, "is_linear", False)) for layer in self.layers]
-        fa = next((c for c, lin in zip(cache, is_linear) if not lin), None)
-        ssm = next((c for c, lin in zip(cache, is_linear) if lin), None)
-        fa_mask = create_attention_mask(h, fa) if not all(is_linear) else None
-        ssm_mask = create_ssm_mask(h, ssm) if any(is_linear) else None
-        for layer, c, lin in zip(self.layers, cache, is_linear):
-            h = layer(h, ssm_mask if lin else fa_mask, c)
-        return h
+
+        def layers():  # masks from the caches' offsets, so a repair (after a roll-back) rebuilds them right
+            x = h
+            fa = next((c for c, lin in zip(cache, is_linear) if not lin), None)
+            ssm = next((c for c, lin in zip(cache, is_linear) if lin), None)
+            fa_mask = create_attention_mask(x, fa) if not all(is_linear) else None
+            ssm_mask = create_ssm_mask(x, ssm) if any(is_linear) else None
+            for layer, c, lin in zip(self.layers, cache, is_linear):
+                x = layer(x, ssm_mask if lin else fa_mask, c)
+            return x
+
+        if self.device_pass is None:
+            return layers()
+        return self.device_pass.run(layers, cache, h.shape[1])
+
+    def run(self, h: mx.array, *, keep: bool = False, kind: str = "step") -> mx.array:
+        """forward() evaluated, counting the host syncs of windows of `kind` (step, verify, prefill, rerun):
+        the device pass's one sync (+ repairs, + synced layer calls), or, without it, one router read-back
+        per MoE layer plus the output's evaluation."""
+        before = self.cache.host_syncs if self.cache is not None else 0
+        out = self.forward(h, keep=keep)
+        mx.eval(out)
+        syncs = (self.cache.host_syncs if self.cache is not None else 0) - before + (self.device_pass is None)
+        row = self.syncs.setdefault(kind, [0, 0])
+        row[0] += 1
+        row[1] += syncs
+        return out
 
     def rewind(self, rejected: int, keep_tokens: int) -> int:
         """Drop the last `rejected` positions of the kept window; returns tokens re-run (0 if trimmed)."""
@@ -216,7 +243,7 @@ class Stage:
             else:
                 c.state = tree_map(lambda x: x, s)
         self._snapshot = None
-        mx.eval(self.forward(self._window[:, :keep_tokens]))
+        self.run(self._window[:, :keep_tokens], kind="rerun")
         return keep_tokens
 
     @property
@@ -250,6 +277,8 @@ class Stage:
             "prefetch_hits": sum(s.prefetch_hits for s in stats), "prefetch_wasted": sum(s.prefetch_wasted for s in stats),
             "prefetch_cancelled": sum(s.prefetch_cancelled for s in stats),
             "bytes_read": self.loader.stats.bytes_read, "load_wait_ms": self.loader.stats.wait_ms,
+            "host_syncs": {kind: {"windows": n, "host_syncs": syncs} for kind, (n, syncs) in self.syncs.items()},
+            "device_pass": self.device_pass.stats.to_json() if self.device_pass is not None else None,
         }
 
     def memory(self) -> dict:

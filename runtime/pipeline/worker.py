@@ -79,8 +79,8 @@ def serve_stage(stage, ch: Channel, fault=None) -> None:
             maybe_fault(fault, ch.rank, timer.n_windows)
             t0 = time.perf_counter()
             timer.n_reruns += stage.rewind(msg.trim, msg.rerun) > 0
-            h = stage.forward(msg.payload, keep=bool(msg.flags & KEEP))
-            mx.eval(h)
+            kind = "verify" if msg.flags & KEEP else "prefill" if msg.flags & NO_REPLY else "step"
+            h = stage.run(msg.payload, keep=bool(msg.flags & KEEP), kind=kind)
             stage.end_round(msg.round_id)
             timer.compute_s += time.perf_counter() - t0
             timer.n_windows += 1

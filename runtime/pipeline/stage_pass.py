@@ -1,0 +1,44 @@
+"""StagePass: a stage's forward as one device pass (runtime.decode.DevicePass) -- one host sync and repairs.
+
+Without it, every MoE layer of a stage reads its router's ids back to the host (one sync per
+MoE layer per window). With it, a window whose experts fit each layer's usable slots looks its
+experts up on the device and the stage syncs once (its output and every layer's lookup codes in
+one array); an absent expert is read and the stage recomputed from the first layer that missed
+(a repair). A window too large for a layer's slots (a prefill chunk) takes that layer's synced
+call, which runs expert-major (runtime/cache/expert_major.py: each unique expert read once).
+
+DevicePass drives an offloaded model through a small interface; `StagePassHost` is that
+interface for one stage: its cache, its modules, its layers (replayable from any of them), and
+MoE layer -> index in the stage's own cache list.
+
+Invariants: the stage's output equals the synced path's (DevicePass returns a forward only when
+every routed expert it read was resident: same slots, kernels and weights); `host_syncs` counts
+every host sync the stage's forwards made (device-pass syncs and synced layer calls), as the
+cache's own counter does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.decode import DevicePass, LayerReplay
+
+
+@dataclass
+class StagePassHost:
+    cache: object  # the stage's ExpertCache
+    modules: dict  # MoE layer -> CachedSwitchGLU
+    replay: LayerReplay  # over the stage's decoder layers, in cache order
+    decoder_index: dict  # MoE layer -> index in the stage's layers and cache list
+    top_k: int
+    forward_hooks: list = field(default_factory=list)  # none: forecasts reach a stage as FORECAST messages
+    telemetry: object = None
+
+
+def stage_pass(cache, modules: dict, layers: list, layer_ids: list[int], top_k: int) -> DevicePass | None:
+    """A DevicePass over this stage's layers, or None when the stage has no MoE layer."""
+    if cache is None or not modules:
+        return None
+    first = layer_ids[0]
+    host = StagePassHost(cache, modules, LayerReplay(layers), {l: l - first for l in modules}, top_k)
+    return DevicePass(host)
