@@ -166,3 +166,38 @@ def test_pipeline_outside_mlx_launch_is_a_one_line_error():
     code, out, err = run_cli(["generate", "-m", "runtime/data/tiny/target", "-p", "hi", "--pipeline"])
     assert code == 2 and out == ""
     assert "--pipeline: this process is not part of an mlx.launch group" in err and "mlx.launch -n N" in err
+
+
+class _OneRank:
+    """The channel of a pipeline of one rank: the driver runs its stage locally and sends nothing."""
+
+    rank, size = 0, 1
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_pipeline_speculative_adapts_k_as_one_process_and_equals_plain(packed_dirs, tmp_path, adaptive):
+    """An untrained drafter is rarely accepted: adaptive K (runtime.decode.DraftLength, as single-process
+    speculative decoding) falls back to plain rounds (K=0) with probes; --fixed-k keeps K. Same greedy tokens."""
+    from runtime.checkpoints.tiny import make_tiny
+    from runtime.decode import SpecConfig, load_drafter, make_drafter
+    from runtime.pipeline import PipelineDriver, PipelineSpeculative, generate_plain, pipeline_predictor
+
+    path = packed_dirs["qwen3_moe"]
+    stage = Stage.load(path, 0, 1, StageConfig(budget="50%"))
+    try:
+        draft_model, draft_config = load_drafter(make_tiny(tmp_path / "drafter", "qwen3", seed=7, layers=2), stage)
+        ids, n = [5, 9, 14, 3, 7, 21, 30, 11], 24
+        plain, _ = generate_plain(PipelineDriver(stage, _OneRank()), ids, max_tokens=n)
+        stage.reset(0)
+        drafter = make_drafter(draft_model, "none")
+        predictor = pipeline_predictor("none", stage, draft_model, draft_config)
+        spec = PipelineSpeculative(PipelineDriver(stage, _OneRank()), drafter, predictor,
+                                   SpecConfig(num_draft=3, adaptive_k=adaptive))
+        tokens, stats = spec.generate(ids, n)
+        assert tokens == plain
+        if adaptive:
+            assert stats.n_plain_rounds > 0 and stats.n_drafted < 3 * stats.n_rounds
+        else:
+            assert stats.n_plain_rounds == 0 and stats.n_drafted == 3 * stats.n_rounds
+    finally:
+        stage.close()

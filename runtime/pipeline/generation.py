@@ -47,7 +47,9 @@ class PipelineStats:
             hr = c["hits"] / max(1, c["hits"] + c["misses"])
             parts.append(f"rank {r['rank']} layers {r['layers'][0]}-{r['layers'][1]}: resident {r['resident_bytes'] / 1e6:.1f} MB "
                          f"+ cache {r['cache_bytes'] / 1e6:.1f} MB, hit rate {hr:.0%}, "
-                         f"prefetch used {c['prefetch_hits']}, sent {r['channel']['bytes_sent'] / 1e3:.0f} KB")
+                         f"prefetch used {c['prefetch_hits']}, sent {r['channel']['bytes_sent'] / 1e3:.0f} KB"
+                         + "".join(f", {v['host_syncs'] / v['windows']:.2f} host syncs/{kind}"
+                                   for kind, v in c.get("host_syncs", {}).items() if kind in ("step", "verify") and v["windows"]))
         return " | ".join(parts)
 
     def to_json(self) -> dict:
