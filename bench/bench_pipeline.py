@@ -10,10 +10,13 @@ projects real links.
 
 Variants, all greedy on the same prompt and the tiny trained target at the same per-rank
 budget, each a fresh `specmoe generate` (single: one process; pipeline N: `mlx.launch -n N
---backend ring` on 127.0.0.1): single, pipeline 2, pipeline 3, and each with the tiny drafter
-(speculative). Variants run interleaved, `--repeats` times; the table gives decode tok/s
-(median, min-max) and the ratio to the single process of the same mode, the per-message cost
-seen by rank 0 and the bytes each rank sent. Ends with one JSON line.
+--backend ring` on 127.0.0.1), named N/mode[/off]: 1/plain, 2/plain, 3/plain, 2/plain/off (the
+stages on the synced path: a host sync per MoE layer), 1/spec, 2/spec (the tiny drafter, adaptive
+K in both). Every variant runs --one-sync auto (a device pass per forward; per stage in the
+pipeline) unless it ends in /off. Variants run interleaved, `--repeats` times; the table gives
+decode tok/s (median, min-max), the ratio to the single process of the same mode per repeat
+(median, min-max), host syncs per decode step (or verify window) on each rank, the mean K, the
+time per message seen by rank 0 and the bytes each rank sent. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Experts live on disk and 
 
 
 def run(variant: str, args, out: Path) -> dict:
-    n_ranks, spec = variant.split("/")
+    n_ranks, spec, *rest = variant.split("/")
+    one_sync = "off" if rest == ["off"] else "auto"
     cli = [sys.executable, "-m", "runtime.cli.app", "generate", "-m", str(args.model), "-p", PROMPT, "--raw-prompt",
            "-n", str(args.tokens), "--budget", args.budget, "--json", str(out)]
     if spec == "spec":
         cli += ["--draft", str(args.draft), "--num-draft", str(args.num_draft), "--predictor", "spmoe"]
+    cli += ["--one-sync", one_sync]
     if n_ranks == "1":
-        cmd = cli + ["--one-sync", "off", "--no-memory-governor"]  # the per-layer path the stages run
+        cmd = cli + ["--no-memory-governor"]  # the stages have no governor either
     else:
         cmd = local_launch_command(int(n_ranks), [*cli, "--pipeline", "--pipeline-timeout", "300"])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
@@ -57,7 +62,15 @@ def run(variant: str, args, out: Path) -> dict:
     else:  # GenerationStats, PipelineStats: the same definitions (see runtime/pipeline/generation.py)
         tps = s["tokens_per_s"]
     row = {"tokens_per_s": tps, "tokens": d["tokens"]}
-    if n_ranks != "1":
+    if s.get("n_rounds"):
+        row["mean_k"] = s["n_drafted"] / s["n_rounds"]
+    if n_ranks == "1":
+        n = s.get("n_rounds") or max(1, s["n_tokens"] - 1)  # verify windows, or decode steps
+        row["syncs"] = [s["host_syncs"] / n if "host_syncs" in s else s.get("host_syncs_per_token")]
+    else:
+        kind = "verify" if spec == "spec" else "step"
+        row["syncs"] = [x["counters"]["host_syncs"].get(kind, {}).get("host_syncs", 0)
+                        / max(1, x["counters"]["host_syncs"].get(kind, {}).get("windows", 0)) for x in s["ranks"]]
         r0 = s["ranks"][0]["channel"]
         row["ms_per_message"] = 1000 * r0["send_s"] / max(1, r0["n_sent"])
         row["kb_sent"] = [round(x["channel"]["bytes_sent"] / 1e3, 1) for x in s["ranks"]]
@@ -74,7 +87,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--num-draft", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variants", default="1/plain,2/plain,3/plain,1/spec,2/spec")
+    p.add_argument("--variants", default="1/plain,2/plain,3/plain,2/plain/off,1/spec,2/spec")
     args = p.parse_args()
     variants = args.variants.split(",")
     rows: dict[str, list[dict]] = {v: [] for v in variants}
@@ -84,19 +97,24 @@ def main() -> None:
                 rows[v].append(run(v, args, Path(tmp) / "out.json"))
                 print(f"  repeat {rep + 1} {v}: {rows[v][-1]['tokens_per_s']:.2f} tok/s", file=sys.stderr, flush=True)
     summary = {}
-    print(f"{'variant':<14}{'tok/s median (min-max)':>26}{'vs single':>11}{'ms/message':>12}  same tokens  kB sent per rank")
+    print(f"{'variant':<13}{'tok/s median (min-max)':>24}{'vs single (min-max)':>22}  host syncs/step per rank  mean K"
+          f"  ms/message  same tokens  kB sent per rank")
     for v in variants:
         tps = [r["tokens_per_s"] for r in rows[v]]
         base_key = "1/" + v.split("/")[1]  # the single process in the same mode
         base = [r["tokens_per_s"] for r in rows[base_key]] if base_key in rows else None
-        ratios = [a / b for a, b in zip(tps, base)] if base else []
+        ratios = [a / b for a, b in zip(tps, base)] if base else []  # per repeat: the two ran back to back
         same = all(r["tokens"] == rows[variants[0]][0]["tokens"] for r in rows[v])
         msg = [r.get("ms_per_message") for r in rows[v] if r.get("ms_per_message") is not None]
+        syncs = [round(statistics.median(col), 2) for col in zip(*[r["syncs"] for r in rows[v]])]
+        ks = [r["mean_k"] for r in rows[v] if "mean_k" in r]
         summary[v] = {"tokens_per_s": tps, "median": statistics.median(tps), "ratio_vs_single": ratios,
                       "ratio_median": statistics.median(ratios) if ratios else None, "same_tokens": same,
-                      "ms_per_message": msg, **{k: rows[v][-1][k] for k in ("kb_sent", "resident_mb", "cache_mb") if k in rows[v][-1]}}
-        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
-        print(f"{v:<14}{statistics.median(tps):>10.2f} ({min(tps):.2f}-{max(tps):.2f}){'':>4}{ratio:>11}"
+                      "host_syncs_per_window": syncs, "mean_k": ks, "ms_per_message": msg,
+                      **{k: rows[v][-1][k] for k in ("kb_sent", "resident_mb", "cache_mb") if k in rows[v][-1]}}
+        ratio = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+        print(f"{v:<13}{statistics.median(tps):>9.2f} ({min(tps):.2f}-{max(tps):.2f}){ratio:>24}  "
+              f"{' / '.join(f'{x:.2f}' for x in syncs):>24}  {(statistics.median(ks) if ks else 0):>6.2f}"
               f"{(statistics.median(msg) if msg else 0):>12.2f}  {str(same):>11}  {summary[v].get('kb_sent', '-')}")
     print(json.dumps({"bench": "pipeline", "model": str(args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model),
                       "budget": args.budget, "tokens": args.tokens, "num_draft": args.num_draft, "repeats": args.repeats,

@@ -28,20 +28,22 @@ def pipeline_run(opts: dict):
         if note:
             err_console.print(note, highlight=False)
     split = parse_split(opts["pipeline_split"])
-    opts = {"prompt": "", "seed": 0, "chat": True, "temp": 0.0, "top_p": 1.0, "projection": None, "forecast_k": None,
-            "max_prefetch_mb": None, "adaptive_k": True, "pipeline_fault": None, "json_path": None, "verify": True,
-            **opts}
+    opts = {"prompt": "", "seed": 0, "chat": True, "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "projection": None,
+            "forecast_k": None, "max_prefetch_mb": None, "adaptive_k": True, "pipeline_fault": None, "json_path": None,
+            "verify": True, **opts}
     max_mb = opts["max_prefetch_mb"]
     return PipelineRun(
         model=opts["model"], prompt=opts["prompt"], max_tokens=opts["max_tokens"], temp=opts["temp"], top_p=opts["top_p"],
-        seed=opts["seed"], chat=opts["chat"], draft=opts["draft"], num_draft=num_draft or 4, predictor=predictor or "spmoe",
+        top_k=opts["top_k"], min_p=opts["min_p"], seed=opts["seed"], chat=opts["chat"], draft=opts["draft"],
+        num_draft=num_draft or 4, predictor=predictor or "spmoe",
         cutoff=cutoff, projection=opts["projection"], forecast_k=opts["forecast_k"],
         max_prefetch_bytes=None if max_mb is None else int(max_mb * 1e6),
         stage=StageConfig(budget=opts["budget"], policy=policy or "lru", threads=opts["threads"], io_mode=opts["io_mode"],
                           verify_checksums=opts["verify"], split=tuple(split) if split else None,
                           routers=opts["draft"] is not None and (predictor or "spmoe") == "spmoe",
                           one_sync=opts.get("one_sync", "auto") != "off"),
-        adaptive_k=opts["adaptive_k"], timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"], json_path=opts["json_path"])
+        adaptive_k=opts["adaptive_k"], timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"],
+        json_path=opts["json_path"])
 
 
 def generate_pipeline(opts: dict) -> int:

@@ -94,11 +94,13 @@ def plain_stream(driver, prompt_ids: list[int], *, max_tokens: int, sampler=None
 
 
 def generate_plain(driver, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,
-                   eos_ids=(), on_token=None, prefill_step: int = PREFILL_STEP) -> tuple[list[int], PipelineStats]:
+                   top_k: int = 0, min_p: float = 0.0, eos_ids=(), on_token=None,
+                   prefill_step: int = PREFILL_STEP) -> tuple[list[int], PipelineStats]:
     stats = PipelineStats(driver.ch.size, len(prompt_ids), 0, 0.0, 0.0, 0.0)
     tokens = []
-    for y in plain_stream(driver, prompt_ids, max_tokens=max_tokens, sampler=make_sampler(temp=temp, top_p=top_p),
-                          eos_ids=eos_ids, prefill_step=prefill_step, stats=stats):
+    sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    for y in plain_stream(driver, prompt_ids, max_tokens=max_tokens, sampler=sampler, eos_ids=eos_ids,
+                          prefill_step=prefill_step, stats=stats):
         tokens.append(y)
         if on_token:
             on_token(y)

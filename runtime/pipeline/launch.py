@@ -39,6 +39,8 @@ class PipelineRun:
     max_tokens: int = 100
     temp: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # mlx-lm's sampler filters (0: off)
+    min_p: float = 0.0
     seed: int = 0
     chat: bool = True  # apply the chat template
     draft: Path | None = None  # drafter dir (rank 0): speculative decoding
@@ -178,13 +180,14 @@ def _rank0(run: PipelineRun, stage, draft, ch: Channel, write) -> int:
     eos = set(stage.tokenizer.eos_token_ids)
     if draft is None:
         tokens, stats = generate_plain(driver, ids, max_tokens=run.max_tokens, temp=run.temp, top_p=run.top_p,
-                                       eos_ids=eos, on_token=show)
+                                       top_k=run.top_k, min_p=run.min_p, eos_ids=eos, on_token=show)
     else:
         draft_model, draft_config = draft
         predictor = pipeline_predictor(run.predictor, stage, draft_model, draft_config, projection=run.projection,
                                        forecast_k=run.forecast_k)
         drafter = make_drafter(draft_model, run.predictor if run.cutoff != 0 else "none")
-        cfg = SpecConfig(num_draft=run.num_draft, cutoff=run.cutoff, temp=run.temp, top_p=run.top_p, seed=run.seed,
+        cfg = SpecConfig(num_draft=run.num_draft, cutoff=run.cutoff, temp=run.temp, top_p=run.top_p, top_k=run.top_k,
+                         min_p=run.min_p, seed=run.seed,
                          max_prefetch_bytes=run.max_prefetch_bytes, adaptive_k=run.adaptive_k)
         try:
             tokens, stats = PipelineSpeculative(driver, drafter, predictor, cfg).generate(ids, run.max_tokens, eos, show)
