@@ -57,14 +57,24 @@ class PipelineRun:
     json_path: Path | None = None  # rank 0 writes tokens, text and every rank's report here
 
 
+JOIN_ATTEMPTS = 3  # mx.distributed.init tries (each waits ~30 s for a neighbour that is not listening yet)
+
+
 def join_group():
     import mlx.core as mx
 
-    try:
-        return mx.distributed.init(strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"--pipeline: this process is not part of an mlx.launch group ({e}); start every rank with "
-                         f"`mlx.launch -n N --backend ring -- specmoe generate ... --pipeline`") from None
+    for attempt in range(JOIN_ATTEMPTS):
+        try:
+            return mx.distributed.init(strict=True)
+        except RuntimeError as e:
+            # The ring backend gives up on a neighbour that is not listening after ~30 s; a loaded host may
+            # take longer than that to start a rank (Python imports). Another attempt costs nothing.
+            if "Couldn't connect" in str(e) and attempt + 1 < JOIN_ATTEMPTS:
+                continue
+            error = e
+            break
+    raise ValueError(f"--pipeline: this process is not part of an mlx.launch group ({error}); start every rank with "
+                     f"`mlx.launch -n N --backend ring -- specmoe generate ... --pipeline`") from None
 
 
 def say(rank: int, text: str) -> None:
