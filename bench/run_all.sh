@@ -98,7 +98,7 @@ run loader python bench/bench_loader.py --trials 5
 run telemetry python bench/bench_telemetry.py --trials 7
 run verify python bench/bench_verify.py
 run soak python bench/bench_soak.py --tokens 10000
-run pipeline python bench/bench_pipeline.py --repeats 2 --tokens 24
+run pipeline python bench/bench_pipeline.py --repeats 3 --tokens 24
 run pipeline_hop python bench/bench_pipeline_hop.py
 # projections and the planner's validation (no timing; deterministic)
 run pipeline_plan specmoe plan-pipeline --model qwen3.5-35b-a3b --mac m4-16gb --link tb5-rdma,tb4,10gbe --ranks 1,2,3
