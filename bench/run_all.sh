@@ -13,7 +13,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the `specmoe` script and benches import this checkout
-export COLUMNS=${COLUMNS:-200}  # rich tables unwrapped in the result files
 OUT=${OUT:-bench/results}
 ONLY=${ONLY:-}
 CHECK=${CHECK:-}
