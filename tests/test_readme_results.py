@@ -158,7 +158,7 @@ def test_every_cited_result_file_exists_and_run_all_writes_it():
     assert missing == []
     written = run_all_outputs()
     # A file that says on its first line that it is an earlier run (kept for comparison) is not re-run.
-    archived = {c for c in cited if (RESULTS / c).exists() and (RESULTS / c).read_text().startswith("# earlier run")}
+    archived = {c for c in cited if (RESULTS / c).exists() and (RESULTS / c).read_bytes().startswith(b"# earlier run")}
     assert sorted(cited - written - archived) == []
 
 
