@@ -113,3 +113,43 @@ def test_serve_through_two_ranks_equals_stock_and_stops_every_rank(launch):
     assert "stopped every rank (3 requests)" in log, log
     assert "rank 1 layers 4-7" in log  # rank 1's report came back with STOP
     assert "error" not in log.lower() and "exited with code" not in log and "was killed" not in log, log
+
+
+class _OneRank:
+    """The channel of a pipeline of one rank: the driver runs its stage locally and sends nothing."""
+
+    rank, size, timeout_s = 0, 1, 60.0
+
+    def __init__(self):
+        from runtime.pipeline.channel import ChannelStats
+
+        self.stats = ChannelStats()
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_pipeline_backend_in_one_process_frames_text_as_stock(draft):
+    """The server's backend without sockets: greedy text = stock mlx-lm's, plain (the continued prompt
+    keeps its cached prefix) and speculative (adaptive K, fresh caches per request)."""
+    from runtime.decode import load_drafter
+    from runtime.pipeline import PipelineBackend, PipelineRun, Stage, StageConfig
+    from runtime.serve import CompletionRequest
+
+    stage = Stage.load(TARGET, 0, 1, StageConfig(budget="50%"))
+    backend = None
+    try:
+        drafter = load_drafter(TARGET.parent / "drafter", stage) if draft else None
+        run = PipelineRun(model=TARGET, prompt="", draft=TARGET.parent / "drafter" if draft else None, num_draft=3,
+                          predictor="none", timeout_s=60.0)
+        backend = PipelineBackend(stage, drafter, _OneRank(), run, log=lambda line: None)
+        more = PROMPTS[1] + " The king speaks:"
+        for prompt in (PROMPTS[1], more):
+            request = CompletionRequest(kind="text", model=None, prompt=prompt, max_tokens=N, temperature=0.0)
+            pieces = list(backend.stream(backend.encode(request), request))
+            assert "".join(p.text for p in pieces) == _stock_text(prompt)
+            assert [p.finish_reason for p in pieces] == [None] * (N - 1) + ["length"]
+        assert pieces[0].cached_tokens == (0 if draft else len(backend.encode_text(PROMPTS[1])))
+        last = backend.stats()["last_request"]
+        assert (last["n_rounds"] > 0) == draft
+        backend.close()  # stops the heartbeat thread; STOP has no other rank to reach
+    finally:
+        stage.close()

@@ -201,3 +201,22 @@ def test_pipeline_speculative_adapts_k_as_one_process_and_equals_plain(packed_di
             assert stats.n_plain_rounds == 0 and stats.n_drafted == 3 * stats.n_rounds
     finally:
         stage.close()
+
+
+def test_a_stage_prefill_reads_each_routed_expert_once_per_layer(packed_dirs):
+    """A prefill window routes to more experts than a layer's slots: the stage's synced layer call runs
+    expert-major (runtime/cache/expert_major.py), so each routed expert is read at most once per layer."""
+    stage = Stage.load(packed_dirs["qwen3_moe"], 0, 1, StageConfig(budget="25%"))
+    try:
+        routed: dict[int, np.ndarray] = {}
+        for m in stage.modules.values():
+            m.observer = lambda layer, ids: routed.__setitem__(layer, np.unique(ids))
+        prompt = [int(x) for x in np.random.default_rng(0).integers(3, 200, 48)]
+        stage.run(stage.embed_tokens(prompt), kind="prefill")
+        stats = stage.cache.stats()
+        assert set(routed) == set(stage.modules)
+        assert any(len(routed[l]) > stage.cache.usable_slots(l) for l in routed)  # token groups would evict each other
+        for l, experts in routed.items():
+            assert 0 < stats[l].misses <= len(experts), (l, stats[l].misses, len(experts))
+    finally:
+        stage.close()
