@@ -96,9 +96,7 @@ def register(app: typer.Typer) -> None:
         seed: int = opt.seed_option(),
         draft: Path = opt.draft_option(),
         num_draft: int = opt.num_draft_option(),
-        adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
-                                        help="Lower K round by round while drafts are rejected, down to plain decoding "
-                                             "(K=0) with periodic probes; --fixed-k always proposes K."),
+        adaptive_k: bool = opt.adaptive_k_option(),
         predictor: str = opt.predictor_option(),
         cutoff: int = opt.cutoff_option(),
         forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default the model's k; 2k covers more, reads more)."),
@@ -137,11 +135,9 @@ def register(app: typer.Typer) -> None:
                                               "cache gives slots back as the KV cache grows."),
         kv_bits: int = typer.Option(None, "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (mlx-lm's kv_bits; plain decoding)."),
         inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
-        pipeline: bool = typer.Option(False, "--pipeline",
-                                      help="Run as one stage of a pipeline over several processes or Macs; start every rank with "
-                                           "`mlx.launch -n N --backend ring -- specmoe generate ... --pipeline` (--budget is per rank)."),
-        pipeline_split: str = typer.Option(None, "--pipeline-split", help="Layers per rank, e.g. 3,5 (default: balanced by bytes)."),
-        pipeline_timeout: float = typer.Option(300.0, "--pipeline-timeout", help="Seconds a rank waits for any message before it gives up."),
+        pipeline: bool = opt.pipeline_option("generate"),
+        pipeline_split: str = opt.pipeline_split_option(),
+        pipeline_timeout: float = opt.pipeline_timeout_option(),
         pipeline_fault: str = typer.Option(None, "--pipeline-fault", hidden=True, help="Debug: die:RANK:WINDOW or hang:RANK:WINDOW."),
     ):
         """Generate text with routed experts paged from disk into a fixed-budget cache."""

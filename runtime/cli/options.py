@@ -22,7 +22,7 @@ __all__ = [
     "DEFAULT_BUDGET", "DEMO_BUDGET", "DEFAULT_MAX_TOKENS", "DEFAULT_NUM_DRAFT", "DEFAULT_SEED", "model_option", "draft_option",
     "budget_option", "max_tokens_option", "temp_option", "top_p_option", "top_k_option", "min_p_option",
     "seed_option", "num_draft_option", "prompt_option", "system_prompt_option", "json_option", "read_prompt",
-    "resolve_draft",
+    "resolve_draft", "adaptive_k_option", "pipeline_option", "pipeline_split_option", "pipeline_timeout_option",
 ]
 
 DEFAULT_BUDGET = "auto"  # what RAM allows; every command that pages experts (demo: 40%, to show paging)
@@ -102,6 +102,29 @@ def cutoff_option():
 def policy_option():
     return typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
                                                "(default: tuned, else dlfu).")
+
+
+def adaptive_k_option():
+    return typer.Option(True, "--adaptive-k/--fixed-k",
+                        help="Lower K round by round while drafts are rejected, down to plain decoding (K=0) with "
+                             "periodic probes; --fixed-k always proposes K.")
+
+
+def pipeline_option(command: str):
+    return typer.Option(False, "--pipeline",
+                        help="Run as one stage of a pipeline over several processes or Macs; start every rank with "
+                             f"`mlx.launch -n N --backend ring -- specmoe {command} ... --pipeline` (--budget is per "
+                             "rank" + ("; rank 0 serves HTTP" if command == "serve" else "") + ").")
+
+
+def pipeline_split_option():
+    return typer.Option(None, "--pipeline-split", help="Layers per rank, e.g. 3,5 (default: balanced by bytes).")
+
+
+def pipeline_timeout_option():
+    return typer.Option(300.0, "--pipeline-timeout",
+                        help="Seconds a rank waits for any message before it gives up (a server's rank 0 sends "
+                             "heartbeats while idle).")
 
 
 def prompt_option(required: bool = True, default: str | None = None):

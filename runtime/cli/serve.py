@@ -48,17 +48,10 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("warning", "--log-level",
                                       help="uvicorn log level: critical, error, warning, info (logs each request), "
                                            "debug."),
-        pipeline: bool = typer.Option(False, "--pipeline",
-                                      help="Serve a pipeline over several processes or Macs: start every rank with "
-                                           "`mlx.launch -n N --backend ring -- specmoe serve ... --pipeline`; rank 0 "
-                                           "serves HTTP (--budget is per rank)."),
-        pipeline_split: str = typer.Option(None, "--pipeline-split", help="Layers per rank, e.g. 3,5 (default: balanced by bytes)."),
-        pipeline_timeout: float = typer.Option(300.0, "--pipeline-timeout",
-                                               help="Seconds a rank waits for any message (rank 0 sends heartbeats "
-                                                    "while idle) before it gives up."),
-        adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
-                                        help="Speculative: K per round from acceptance, down to plain rounds; "
-                                             "--fixed-k always proposes K."),
+        pipeline: bool = opt.pipeline_option("serve"),
+        pipeline_split: str = opt.pipeline_split_option(),
+        pipeline_timeout: float = opt.pipeline_timeout_option(),
+        adaptive_k: bool = opt.adaptive_k_option(),
     ):
         """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
         from runtime.serve import SamplingDefaults, ServeConfig, run_server
