@@ -66,7 +66,7 @@ def plain_stream(driver, prompt_ids: list[int], *, max_tokens: int, sampler=None
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenization; expected at least one token")
     sampler = sampler or make_sampler(temp=0.0)
-    t0 = time.perf_counter()
+    t0, w0 = time.perf_counter(), driver.timer.n_windows
     held = len(driver.tokens)
     if held >= len(prompt_ids) or driver.tokens != prompt_ids[:held]:
         raise ValueError(f"rank 0: the caches hold {held} tokens that are not a proper prefix of the prompt")
@@ -90,7 +90,7 @@ def plain_stream(driver, prompt_ids: list[int], *, max_tokens: int, sampler=None
             stats.n_ranks, stats.n_prompt_tokens, stats.n_tokens = driver.ch.size, len(prompt_ids), n
             stats.prefill_s, stats.decode_s = t_first - t0, t_end - t_first
             stats.tokens_per_s = (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0
-            stats.n_windows = driver.timer.n_windows
+            stats.n_windows = driver.timer.n_windows - w0
 
 
 def generate_plain(driver, prompt_ids: list[int], *, max_tokens: int, temp: float = 0.0, top_p: float = 1.0,

@@ -176,7 +176,9 @@ class PipelineBackend(Backend):
                              "misses": misses, "budget_bytes": self.stage.cache.nbytes if self.stage.cache else 0},
             "io": {"rank": 0, "bytes_read": c["bytes_read"], "load_wait_ms": round(c["load_wait_ms"], 3),
                    "prefetch_used": c["prefetch_hits"]},
-            "host_syncs": None,  # per rank; see the report line each rank's STOP carries
+            "host_syncs": {"rank": 0, "by_window_kind": c["host_syncs"],  # the other ranks report theirs with STOP
+                           "how": "per stage: 1 per device-pass window + 1 per repair (+ synced layer calls); "
+                                  "synced path: 1 per MoE layer + 1"},
             "speculative": None if self.draft is None else {"num_draft": self.run.num_draft, "predictor": self.run.predictor,
                                                             "adaptive_k": self.run.adaptive_k},
             "memory": self.stage.memory(),

@@ -137,7 +137,7 @@ class PipelineSpeculative:
             raise ValueError("the prompt is empty after tokenization; expected at least one token")
         if self.driver.tokens:
             raise ValueError("rank 0: speculative decoding through the pipeline starts from fresh caches")
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), self.driver.timer.n_windows
         self.driver.prefill(prompt_ids[:-1], self.cfg.prefill_chunk)
         self.drafter.prefill(prompt_ids)
         t1 = time.perf_counter()  # decode throughput counts every round, as SpecStats does
@@ -156,7 +156,8 @@ class PipelineSpeculative:
                 stats.n_ranks, stats.n_prompt_tokens, stats.n_tokens = self.driver.ch.size, len(prompt_ids), n_out
                 stats.prefill_s, stats.decode_s = t1 - t0, t_end - t1
                 stats.tokens_per_s = n_out / (t_end - t1) if t_end > t1 else 0.0
-                stats.n_windows, stats.n_drafted, stats.n_accepted = self.driver.timer.n_windows, self.n_drafted, self.n_accepted
+                stats.n_windows = self.driver.timer.n_windows - w0
+                stats.n_drafted, stats.n_accepted = self.n_drafted, self.n_accepted
                 stats.n_rounds, stats.n_plain_rounds = self.n_rounds, self.n_plain_rounds
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None) -> tuple[list[int], PipelineStats]:
