@@ -13,7 +13,9 @@ hidden 256) unless --model; a prompt of --tokens tokens from the calibration tex
 mlx-lm's generate_step runs it (chunks of 2048 tokens, then the first token), timed to the first
 token. Stock mlx-lm fully resident against specmoe at each budget, a fresh OffloadedModel (empty
 cache) per trial, files hot (one warmup run of each variant first), variants interleaved per
-trial. The first token's log-probabilities must equal stock's bit for bit.
+trial. The first token's log-probabilities must equal stock's bit for bit. Beside wall time each
+trial's CPU time (process_time: all the process's threads) is taken: on a machine shared with other
+jobs wall time swings with their load, CPU time much less; the load average is printed.
 Prints a table and ends with one JSON line.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,10 +48,11 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def first_token(model, ids: list[int]) -> tuple[float, int, np.ndarray]:
-    t0 = time.perf_counter()
+def first_token(model, ids: list[int]) -> tuple[float, float, int, np.ndarray]:
+    """(wall seconds, CPU seconds, first token, its log-probabilities)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     token, logprobs = next(generate_step(mx.array(ids), model, max_tokens=1))
-    return time.perf_counter() - t0, int(token), np.array(logprobs)
+    return time.perf_counter() - t0, time.process_time() - c0, int(token), np.array(logprobs)
 
 
 def run_offloaded(path: Path, budget: str, ids: list[int]) -> dict:
@@ -57,11 +61,11 @@ def run_offloaded(path: Path, budget: str, ids: list[int]) -> dict:
         routed: dict[int, set] = {}
         om.set_observer(lambda layer, e: routed.setdefault(layer, set()).update(np.unique(e).tolist()))
         c0 = om.counters()
-        seconds, token, logprobs = first_token(om.model, ids)
+        seconds, cpu, token, logprobs = first_token(om.model, ids)
         c1 = om.counters()
         unique = sum(len(s) for s in routed.values())
         unique_bytes = sum(len(s) * om.store.layout(l).expert_bytes for l, s in routed.items())
-        return {"seconds": seconds, "token": token, "logprobs": logprobs, "reads": c1["misses"] - c0["misses"],
+        return {"seconds": seconds, "cpu": cpu, "token": token, "logprobs": logprobs, "reads": c1["misses"] - c0["misses"],
                 "bytes_read": c1["bytes_read"] - c0["bytes_read"], "unique_experts": unique,
                 "unique_bytes": unique_bytes, "slots": min(om.plan.slots.values()),
                 "expert_bytes_total": om.store.expert_bytes_total}
@@ -69,12 +73,16 @@ def run_offloaded(path: Path, budget: str, ids: list[int]) -> dict:
         om.close()
 
 
+def _spread(xs: list[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: bench_decode's synthetic qwen3_moe)")
     ap.add_argument("--tokens", type=int, default=2000, help="prompt tokens")
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--budgets", default="25%,100%")
+    ap.add_argument("--budgets", default="25%")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,40 +94,54 @@ def main() -> None:
         first_token(stock, ids[:64])  # warmup: kernels built
         for b in budgets:
             run_offloaded(path, b, ids[:64])  # warmup: files hot
-        times = {name: [] for name in ["stock"] + budgets}
-        last: dict[str, dict] = {}
+        wall = {name: [] for name in ["stock"] + budgets}
+        cpu = {name: [] for name in ["stock"] + budgets}
+        loads, last = [], {}
         for _ in range(args.trials):  # interleaved, so drift hits all alike
-            s, stock_token, stock_lp = first_token(stock, ids)
-            times["stock"].append(s)
+            s, c, stock_token, stock_lp = first_token(stock, ids)
+            wall["stock"].append(s)
+            cpu["stock"].append(c)
             for b in budgets:
                 r = run_offloaded(path, b, ids)
                 if r["token"] != stock_token or not np.array_equal(r["logprobs"], stock_lp):
                     raise SystemExit(f"specmoe {b}: the first token's log-probabilities differ from stock")
-                times[b].append(r["seconds"])
+                wall[b].append(r["seconds"])
+                cpu[b].append(r["cpu"])
                 last[b] = r
+            loads.append(os.getloadavg()[0])
 
-    base = statistics.median(times["stock"])
+    n = args.trials
     print(f"model: {args.model or 'synthetic qwen3_moe 8x64 experts, hidden 256'} "
           f"({next(iter(last.values()))['expert_bytes_total'] / 1e6:.1f} MB of experts); prompt {len(ids)} tokens; "
-          f"time to first token, median (min-max) of {args.trials} interleaved trials, files hot; "
+          f"time to first token, median (min-max) of {n} interleaved trials, files hot; "
           f"first-token log-probs equal stock bit for bit in every trial")
-    print(f"{'variant':<14}{'slots':>6}{'seconds':>22}{'tok/s':>8}{'vs stock':>9}{'reads':>7}{'unique':>7}"
-          f"{'MB read':>9}{'MB unique':>10}{'read/unique':>12}")
-    results = {"stock": {"seconds": base, "spread": [min(times["stock"]), max(times["stock"])],
-                         "tokens_per_s": len(ids) / base}}
-    print(f"{'stock':<14}{'':>6}{base:>9.2f} ({min(times['stock']):.2f}-{max(times['stock']):.2f}){len(ids) / base:>8.0f}"
-          f"{1.0:>9.2f}")
+    print(f"load average (1 min) after each trial: {', '.join(f'{x:.1f}' for x in loads)} on {os.cpu_count()} cores")
+    print(f"{'variant':<14}{'slots':>6}{'wall s':>22}{'CPU s':>22}{'wall vs stock':>20}{'CPU vs stock':>20}")
+    results = {"stock": {"seconds": statistics.median(wall["stock"]), "spread": [min(wall["stock"]), max(wall["stock"])],
+                         "cpu_seconds": statistics.median(cpu["stock"]), "cpu_spread": [min(cpu["stock"]), max(cpu["stock"])],
+                         "tokens_per_s": len(ids) / statistics.median(wall["stock"])}}
+    print(f"{'stock':<14}{'':>6}{_spread(wall['stock']):>22}{_spread(cpu['stock']):>22}{'1.00':>20}{'1.00':>20}")
     for b in budgets:
-        r, t = last[b], statistics.median(times[b])
+        r = last[b]
+        wr = [w / s for w, s in zip(wall[b], wall["stock"])]  # per trial: each against the stock run beside it
+        cr = [c / s for c, s in zip(cpu[b], cpu["stock"])]
         ratio = r["bytes_read"] / r["unique_bytes"]
-        results[b] = {"seconds": t, "spread": [min(times[b]), max(times[b])], "tokens_per_s": len(ids) / t,
-                      "time_vs_stock": t / base, "reads": r["reads"], "unique_experts": r["unique_experts"],
+        results[b] = {"seconds": statistics.median(wall[b]), "spread": [min(wall[b]), max(wall[b])],
+                      "cpu_seconds": statistics.median(cpu[b]), "cpu_spread": [min(cpu[b]), max(cpu[b])],
+                      "tokens_per_s": len(ids) / statistics.median(wall[b]),
+                      "time_vs_stock": statistics.median(wr), "time_vs_stock_spread": [min(wr), max(wr)],
+                      "cpu_vs_stock": statistics.median(cr), "cpu_vs_stock_spread": [min(cr), max(cr)],
+                      "reads": r["reads"], "unique_experts": r["unique_experts"],
                       "bytes_read": r["bytes_read"], "unique_bytes": r["unique_bytes"], "bytes_vs_unique": ratio,
                       "slots_per_layer": r["slots"]}
-        print(f"{'specmoe ' + b:<14}{r['slots']:>6}{t:>9.2f} ({min(times[b]):.2f}-{max(times[b]):.2f}){len(ids) / t:>8.0f}"
-              f"{t / base:>9.2f}{r['reads']:>7}{r['unique_experts']:>7}{r['bytes_read'] / 1e6:>9.1f}"
-              f"{r['unique_bytes'] / 1e6:>10.1f}{ratio:>12.3f}")
-    print(json.dumps({"bench": "prefill", "prompt_tokens": len(ids), "trials": args.trials, "results": results}))
+        print(f"{'specmoe ' + b:<14}{r['slots']:>6}{_spread(wall[b]):>22}{_spread(cpu[b]):>22}{_spread(wr):>20}{_spread(cr):>20}")
+    print(f"{'bytes':<14}{'reads':>7}{'unique':>7}{'MB read':>9}{'MB unique':>10}{'read/unique':>12}")
+    for b in budgets:
+        r = results[b]
+        print(f"{'specmoe ' + b:<14}{r['reads']:>7}{r['unique_experts']:>7}{r['bytes_read'] / 1e6:>9.1f}"
+              f"{r['unique_bytes'] / 1e6:>10.1f}{r['bytes_vs_unique']:>12.3f}")
+    print(json.dumps({"bench": "prefill", "prompt_tokens": len(ids), "trials": n, "load_average": loads,
+                      "results": results}))
 
 
 if __name__ == "__main__":

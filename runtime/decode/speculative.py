@@ -39,6 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps, ExpertForecast
+from runtime.cache import DEFAULT_PREFILL_STEP
 from runtime.decode.draft_length import DraftLength
 from runtime.decode.forecast_score import ForecastScore
 from runtime.decode.drafter import DraftResult, ModelDrafter
@@ -60,7 +61,8 @@ class SpecConfig:
     top_k: int = 0  # mlx-lm's sampler filters (0: off); the target's distribution keeps them
     min_p: float = 0.0
     seed: int = 0
-    prefill_chunk: int = 512  # prompt tokens per target forward during prefill
+    prefill_chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per target forward during prefill (mlx-lm's 2048);
+    # under --memory-limit the target's ContextGovernor sizes it instead: the whole prompt unless its activations need less
     warm: str | None = None  # warm start source (runtime/decode/warm.py); a full budget always warms
     one_sync: str = "auto"  # verify as device passes (one host sync, repair): auto or on; off: one sync per layer
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
@@ -266,15 +268,27 @@ class SpeculativeDecoder:
             raise ValueError("the prompt is empty after tokenization; expected at least one token")
         head = prompt_ids[:-1]
         warm_start(self.target, self.cfg.warm)  # reads overlap the prefill
-        for i in range(0, len(head), self.cfg.prefill_chunk):
+        step = self.prefill_step(len(prompt_ids))
+        limit = self.target.context_governor
+        for i in range(0, len(head), step):  # each chunk of >= 64 tokens runs expert-major (each expert read once)
+            if limit is not None:  # slots give way to the KV this chunk adds
+                limit.observe(self.cache, i, min(i + step, len(head)) + 1, chunk=step)
             self.target.label_round("prefill")
-            self.target.model(mx.array(head[i : i + self.cfg.prefill_chunk])[None], cache=self.cache)
+            self.target.model(mx.array(head[i : i + step])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             if on_chunk is not None:
-                on_chunk(min(i + self.cfg.prefill_chunk, len(head)), len(head))
+                on_chunk(min(i + step, len(head)), len(head))
         self.drafter.prefill(prompt_ids)
         self.target.cache.settle_inflight()  # the warm start's reads are in before the first round
         return prompt_ids[-1]
+
+    def prefill_step(self, n_prompt: int) -> int:
+        """Prompt tokens per target prefill forward: the memory limit's chunk (the whole prompt unless its
+        activations need less) when the target has one, else cfg.prefill_chunk."""
+        limit = self.target.context_governor
+        if limit is None:
+            return self.cfg.prefill_chunk
+        return limit.chunk_for(max(1, n_prompt - 1), n_prompt + self.cfg.num_draft + 1)
 
     def step(self, pending: int) -> list[int]:
         """One round: returns the tokens it emits (accepted drafts plus one target token)."""
@@ -323,11 +337,16 @@ class SpeculativeDecoder:
             pending = self.prefill(prompt_ids, on_chunk=meter.on_chunk)
         finally:
             self.stats.prefill = meter.stop()
+            self.stats.prefill.chunk_tokens = self.prefill_step(len(prompt_ids))
         c0 = self.target.counters()
         t0 = time.perf_counter()
         n_out = 0
+        limit = self.target.context_governor
         try:
             while n_out < max_tokens:
+                if limit is not None and self.stats.n_rounds % 8 == 0:  # slots give way as the KV grows, as plain decoding
+                    now = len(prompt_ids) + n_out
+                    limit.observe(self.cache, now, now + 8 * (self.cfg.num_draft + 1), chunk=self.cfg.num_draft + 1)
                 for token in self.step(pending):
                     n_out += 1
                     yield token
