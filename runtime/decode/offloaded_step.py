@@ -24,6 +24,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.decode.device_pass import DevicePass
+from runtime.decode.kv_only import kv_only
 
 
 def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: Callable,
@@ -53,7 +54,8 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
     progress(done, total)
     while y.size > 1:
         n = min(prefill_step_size, y.size - 1)
-        model(y[:n][None], cache=cache)
+        with kv_only(om):  # logits unread: the last layer's experts are not routed, read or run (stock skips them too)
+            model(y[:n][None], cache=cache)
         quantize(cache)
         mx.eval([c.state for c in cache])
         done += n

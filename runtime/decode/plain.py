@@ -152,7 +152,7 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         if prompt_cache is None:
             steps = decode(mx.array(prompt_ids), kv, prompt_progress_callback=on_chunk, prefill_step_size=step)
         else:  # the same chunks as generate_step's prefill, into the kept cache; then the last token
-            last = prompt_cache.prefill(forward, prompt_ids, on_chunk=on_chunk, step=step, kv_options=kv_options)
+            last = prompt_cache.prefill(forward, prompt_ids, on_chunk=on_chunk, step=step, kv_options=kv_options, om=om)
             steps = decode(mx.array([last]), prompt_cache.cache)
         for token, _ in steps:
             token = int(token)

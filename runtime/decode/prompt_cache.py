@@ -35,6 +35,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from mlx.utils import tree_map
 
+from runtime.decode.kv_only import kv_only
+
 PREFILL_STEP = 2048  # mlx-lm generate_step's prefill_step_size
 
 
@@ -102,10 +104,12 @@ class PromptCache:
         self.cache = make_prompt_cache(self.model)
         self.tokens, self._snapshots = [], []
 
-    def prefill(self, model, ids: list[int], on_chunk=None, step: int | None = None, kv_options: dict | None = None) -> int:
+    def prefill(self, model, ids: list[int], on_chunk=None, step: int | None = None, kv_options: dict | None = None,
+                om=None) -> int:
         """Reuse what the caches hold, feed the rest of `ids` but the last token, snapshot; returns the last token.
         `model` is what runs the forward (e.g. the offloaded model); on_chunk(done, total) as mlx-lm's progress;
-        `step` overrides the chunk; `kv_options` (kv_bits, ...) quantize the KV after each chunk as generate_step does."""
+        `step` overrides the chunk; `kv_options` (kv_bits, ...) quantize the KV after each chunk as generate_step does;
+        `om` (the OffloadedModel behind `model`): its last layer's experts are skipped in chunks (runtime/decode/kv_only.py)."""
         if not ids:
             raise ValueError("the prompt is empty after tokenization; expected at least one token")
         self.reused = self.reuse(ids)
@@ -122,7 +126,8 @@ class PromptCache:
             on_chunk(0, total)
         for i in range(0, total, step):
             chunk = head[i : i + step]
-            model(mx.array(chunk)[None], cache=self.cache)
+            with kv_only(om):
+                model(mx.array(chunk)[None], cache=self.cache)
             if quantize:
                 quantize()
             mx.eval([c.state for c in self.cache])

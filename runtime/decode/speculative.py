@@ -42,6 +42,7 @@ from predictor.base import DraftTaps, ExpertForecast
 from runtime.cache import DEFAULT_PREFILL_STEP
 from runtime.decode.draft_length import DraftLength
 from runtime.decode.forecast_score import ForecastScore
+from runtime.decode.kv_only import kv_only
 from runtime.decode.drafter import DraftResult, ModelDrafter
 from runtime.decode.device_pass import DevicePass
 from runtime.decode.prefill import PrefillMeter, PrefillStats
@@ -274,7 +275,8 @@ class SpeculativeDecoder:
             if limit is not None:  # slots give way to the KV this chunk adds
                 limit.observe(self.cache, i, min(i + step, len(head)) + 1, chunk=step)
             self.target.label_round("prefill")
-            self.target.model(mx.array(head[i : i + step])[None], cache=self.cache)
+            with kv_only(self.target):  # logits unread: the last layer's experts are skipped, as stock's lazy graph does
+                self.target.model(mx.array(head[i : i + step])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             if on_chunk is not None:
                 on_chunk(min(i + step, len(head)), len(head))
