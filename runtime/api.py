@@ -181,7 +181,8 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
     eos = set(tokenizer.eos_token_ids)
     decoder = None
     if (prompt_cache is not None or kv_bits) and engine.draft is not None:
-        raise ValueError("a prompt cache or kv_bits with a drafter: not supported yet; load without draft")
+        raise ValueError("prompt_cache / kv_bits with a drafter: the speculative decoder neither saves nor trims the "
+                         "drafter's KV beside the target's, nor quantizes its caches (not implemented); load without draft")
     if engine.draft is None:
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         tokens = stream_tokens(om.model, ids, max_tokens=max_tokens, eos_ids=eos, om=om, one_sync=one_sync,

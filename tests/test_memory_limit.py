@@ -104,3 +104,46 @@ def test_cli_refuses_a_bad_memory_limit_and_kv_bits(tiny_dirs):
     assert code == 2 and "--kv-bits 7" in err
     code, _, err = run_cli(base + ["--memory-limit", "none", "--kv-bits", "8"])
     assert code == 0, err
+
+
+def _capped_run(path, stock, ids, *, broken: bool):
+    """A run under a cap on a simulated process: the accounted parts plus `extra` bytes the accounting does
+    not know of (allocator pools, load transients). The governor measures it (closed loop); each measurement
+    is recorded. `broken`: the cache ignores requests to give slots back."""
+    om = OffloadedModel.load(path, OffloadConfig(budget="100%"))
+    try:
+        cache, cfg = om.cache, om.config
+        row = sum(cache.layouts[l].expert_bytes for l in cache.layers())
+        kv_per_token = 2 * 3 * 2 * 16 * 4  # 3 attention layers x K,V x 2 KV heads x head_dim 16 x float32
+        extra = 10 * row  # more than the 5% slack absorbs
+        early = activation_bytes(cfg, 16, 16) + (16 + 256) * kv_per_token + 32 * row + extra
+        cap = int(early / 0.95) + row  # every slot fits at a 16-token context, with the unknown extra
+        seen = []
+
+        def process() -> int:  # what the simulated process holds: the slots in use really are given back
+            held = sum(n * cache.layouts[l].expert_bytes for l, n in cache.usable_now().items())
+            seen.append(extra + gov.stats.kv_held_bytes + held)
+            return seen[-1]
+
+        gov = ContextGovernor(cache, MemoryLimit(cap, 0, 0), cfg, 2048, kv_per_token=kv_per_token, measure=process)
+        if broken:
+            cache.request_usable_slots = lambda n: None
+        om.context_governor = gov
+        out, _ = generate_tokens(om.model, ids, max_tokens=6, om=om)
+        process()  # and at the end
+        assert out == greedy_ids(stock, ids, 6)
+        return cap, seen, gov, 32 * row + extra + (len(ids) + 256) * kv_per_token
+    finally:
+        om.close()
+
+
+def test_a_run_under_a_cap_stays_under_it_and_a_broken_give_back_fails_the_check(tiny_dirs):
+    path = tiny_dirs["qwen3_moe"]
+    stock, tok = load(str(path))
+    ids = tok.encode((PROMPT + " ") * 5)
+    cap, seen, gov, all_slots = _capped_run(path, stock, ids, broken=False)
+    assert all_slots > cap  # keeping every slot to the end would go over
+    assert len(seen) >= 3 and max(seen) <= cap  # the check: every measurement within the cap
+    assert gov.stats.n_shrinks >= 1 and gov.stats.unaccounted_bytes > 0
+    cap, seen, gov, _ = _capped_run(path, stock, ids, broken=True)
+    assert max(seen) > cap  # slots never given back: the same check fails

@@ -72,3 +72,11 @@ def test_prompt_cache_file_of_another_model_is_refused(tiny_dirs, tmp_path):
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["mixtral"]), "-b", "50%", "-n", "2", "--raw-prompt",
                             "-p", PROMPT, "--prompt-cache", str(f)])
     assert code == 2 and "--prompt-cache" in err and "another model" in err
+
+
+def test_prompt_cache_and_kv_bits_with_a_drafter_are_refused_before_loading_saying_why(tiny_dirs, tmp_path):
+    base = ["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", PROMPT, "-n", "2", "--draft", str(tmp_path / "none")]
+    code, _, err = run_cli(base + ["--prompt-cache", str(tmp_path / "p.safetensors")])
+    assert code == 2 and "--prompt-cache with --draft: the drafter's KV cache is not saved" in " ".join(err.split())
+    code, _, err = run_cli(base + ["--kv-bits", "8"])
+    assert code == 2 and "--kv-bits with --draft: the speculative decoder keeps its KV caches unquantized" in " ".join(err.split())

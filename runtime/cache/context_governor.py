@@ -7,8 +7,14 @@ it is about to reach; the governor turns MemoryLimit.expert_room into usable slo
 ExpertCache, which applies them between calls and hands the freed slots' pages back to the OS
 where it can. When the KV shrinks (a new conversation), slots come back, up to the planned budget.
 
+The accounting is open loop (what the parts should take); with `measure` (the process's RSS, set when a
+limit is in force) it is also closed: at each update whatever the process holds beyond the parts
+(allocator pools, load transients, thread stacks) is added to the baseline -- which only grows -- so
+memory the accounting missed is taken from the expert cache instead of going over the cap.
+
 Invariants: usable slots stay within [top-k, planned slots]; a request never exceeds what the RAM
-MemoryGovernor currently allows (its `ceiling`); tokens are unchanged by any resize.
+MemoryGovernor currently allows (its `ceiling`); the baseline never shrinks; tokens are unchanged by
+any resize.
 """
 
 from __future__ import annotations
@@ -24,17 +30,21 @@ class ContextGovernorStats:
     n_shrinks: int = 0  # requests that lowered the usable slots
     n_grows: int = 0  # requests that raised them
     usable: int = 0  # usable slots per layer last requested
-    kv_bytes: int = 0  # last KV report
+    kv_bytes: int = 0  # last KV report (what the next forwards will hold)
+    kv_held_bytes: int = 0  # of that, held at the report
+    unaccounted_bytes: int = 0  # the most the measured process held beyond the accounted parts (added to the baseline)
 
 
 class ContextGovernor:
-    def __init__(self, cache, limit: MemoryLimit, config: dict, step: int, memory_governor=None, kv_per_token: int = 0):
+    def __init__(self, cache, limit: MemoryLimit, config: dict, step: int, memory_governor=None, kv_per_token: int = 0,
+                 measure=None):
         self.cache = cache  # ExpertCache
         self.limit = limit
         self.config = config
         self.step = step  # tokens per forward the activations are sized for (the prefill chunk; 1 when decoding)
         self.memory_governor = memory_governor  # the RAM governor, whose current level also caps the slots
         self.kv_per_token = kv_per_token  # KV bytes one more token adds (attention layers)
+        self.measure = measure  # () -> bytes the process holds now (RSS), or None: open-loop accounting only
         self.layers = cache.layers()
         self.row_bytes = sum(cache.layouts[l].expert_bytes for l in self.layers)  # one slot in every layer
         self.max_slots = min(cache.n_slots(l) for l in self.layers)
@@ -53,14 +63,36 @@ class ContextGovernor:
     def observe(self, caches, tokens_now: int, tokens_next: int, chunk: int | None = None) -> int:
         """Before growing mlx-lm `caches` from `tokens_now` to `tokens_next` tokens in forwards of `chunk`
         tokens: what they hold now plus the growth (and one 256-token allocation step of KVCache)."""
-        kv = sum(c.nbytes for c in caches) + (max(0, tokens_next - tokens_now) + 256) * self.kv_per_token
-        return self.update(kv, tokens_next, chunk)
+        held = sum(c.nbytes for c in caches)
+        return self.update(held + (max(0, tokens_next - tokens_now) + 256) * self.kv_per_token, tokens_next, chunk, held)
 
-    def update(self, kv_bytes: int, context: int, chunk: int | None = None) -> int:
-        """The KV/state bytes about to be held at `context` tokens; returns the usable slots requested."""
+    def accounted_bytes(self, kv_bytes: int) -> int:
+        """What the parts should hold now: baseline, weights, drafter, `kv_bytes` and the slots in use."""
+        m = self.limit
+        held = sum(n * self.cache.layouts[l].expert_bytes for l, n in self.cache.usable_now().items())
+        return m.baseline_bytes + m.resident_bytes + m.drafter_bytes + kv_bytes + held
+
+    def _close_the_loop(self, kv_held: int) -> None:
+        """Measured memory beyond the accounted parts joins the baseline (which only grows). MLX's buffer cache
+        (freed activations kept for reuse) is left out: the activations have their own share."""
+        from dataclasses import replace
+
+        import mlx.core as mx
+
+        extra = self.measure() - mx.get_cache_memory() - self.accounted_bytes(kv_held)
+        if extra > 0:
+            self.limit = replace(self.limit, baseline_bytes=self.limit.baseline_bytes + extra)
+            self.stats.unaccounted_bytes += extra
+
+    def update(self, kv_bytes: int, context: int, chunk: int | None = None, kv_held: int | None = None) -> int:
+        """The KV/state bytes about to be held at `context` tokens (`kv_held`: held now, default the same);
+        returns the usable slots requested."""
         s = self.stats
         s.n_updates += 1
         s.kv_bytes = kv_bytes
+        s.kv_held_bytes = kv_bytes if kv_held is None else kv_held
+        if self.measure is not None:
+            self._close_the_loop(s.kv_held_bytes)
         n = self.slots_for(kv_bytes, context, chunk)
         if self.memory_governor is not None:
             self.memory_governor.ceiling = n  # its later grows stop here

@@ -64,12 +64,20 @@ def prompt_ids(tokenizer, prompt: str, system_prompt: str | None, *, chat: bool)
     return list(tokenizer.encode(prompt))
 
 
+SPECULATIVE_REFUSAL = {  # why each is refused with --draft (docs/prefill.md, "Conversations that resume")
+    "--prompt-cache": "--prompt-cache with --draft: the drafter's KV cache is not saved or trimmed beside the target's "
+                      "(not implemented); drop --draft or --prompt-cache",
+    "--kv-bits": "--kv-bits with --draft: the speculative decoder keeps its KV caches unquantized (quantizing them and "
+                 "rolling quantized caches back after rejected drafts is not implemented); drop --draft or --kv-bits",
+}
+
+
 def open_prompt_cache(path: Path, om, ids: list[int], *, speculative: bool):
     """(PromptCache, the full prompt): the file's cache and its prompt + `ids` if it exists, else a new cache."""
     from runtime.decode import PromptCache
 
     if speculative:
-        raise ValueError("--prompt-cache with --draft: not supported yet; drop one of them")
+        raise ValueError(SPECULATIVE_REFUSAL["--prompt-cache"])
     if path.suffix != ".safetensors":
         raise ValueError(f"--prompt-cache {path}: expected a file name ending in .safetensors")
     digest = om.model_id()["digest"]
@@ -153,6 +161,8 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
         if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"--kv-bits {kv_bits}; expected 4 or 8 (mlx-lm also takes 2, 3, 5, 6)")
+        if draft is not None and (prompt_cache_file is not None or kv_bits is not None):
+            raise ValueError(SPECULATIVE_REFUSAL["--prompt-cache" if prompt_cache_file is not None else "--kv-bits"])
         if warm is not None and not warm.is_file():
             raise ValueError(f"--warm {warm}: no such file; expected a routing trace (.smtrace) or a JSON of expert_counts")
         engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,

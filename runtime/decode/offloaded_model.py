@@ -167,7 +167,8 @@ class OffloadedModel:
         if limit is not None:
             limit = limit.remeasured(process_rss(), store.resident_bytes + cache.nbytes)
             om.memory_limit = limit
-            om.context_governor = ContextGovernor(cache, limit, store.config, step, governor, kv_per_token)
+            om.context_governor = ContextGovernor(cache, limit, store.config, step, governor, kv_per_token,
+                                                  measure=process_rss)  # closed loop: what the accounting misses
         return om
 
     @staticmethod
