@@ -125,7 +125,7 @@ def _capped_run(path, stock, ids, *, broken: bool):
             seen.append(extra + gov.stats.kv_held_bytes + held)
             return seen[-1]
 
-        gov = ContextGovernor(cache, MemoryLimit(cap, 0, 0), cfg, 2048, kv_per_token=kv_per_token, measure=process)
+        gov = ContextGovernor(cache, MemoryLimit(cap, 0, 0), cfg, 16, kv_per_token=kv_per_token, measure=process)
         if broken:
             cache.request_usable_slots = lambda n: None
         om.context_governor = gov

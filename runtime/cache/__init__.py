@@ -32,7 +32,9 @@ from runtime.cache.memory_limit import (
     activation_bytes,
     apply_memory_limit,
     parse_memory_limit,
+    process_peak_rss,
     process_rss,
+    rss_peak_since_last,
 )
 from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.governor import GovernorConfig, MemoryGovernor
@@ -43,6 +45,6 @@ from runtime.cache.slot_table import SlotTable
 __all__ = [
     "HEADROOM_FRACTION", "HEADROOM_MIN_BYTES", "BudgetPlan", "BudgetSpec", "format_bytes", "kv_bytes_estimate",
     "parse_budget", "plan_budget", "CachedSwitchGLU", "ContextGovernor", "DEFAULT_PREFILL_STEP", "MemoryLimit",
-    "activation_bytes", "apply_memory_limit", "parse_memory_limit", "process_rss", "CallStats", "ExpertCache",
+    "activation_bytes", "apply_memory_limit", "parse_memory_limit", "process_rss", "process_peak_rss", "rss_peak_since_last", "CallStats", "ExpertCache",
     "GovernorConfig", "MemoryGovernor", "DEFAULT_POLICY", "POLICIES", "make_policy", "SlotTable", "check_expert_module", "slab_switch_glu",
 ]

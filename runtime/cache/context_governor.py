@@ -7,10 +7,11 @@ it is about to reach; the governor turns MemoryLimit.expert_room into usable slo
 ExpertCache, which applies them between calls and hands the freed slots' pages back to the OS
 where it can. When the KV shrinks (a new conversation), slots come back, up to the planned budget.
 
-The accounting is open loop (what the parts should take); with `measure` (the process's RSS, set when a
-limit is in force) it is also closed: at each update whatever the process holds beyond the parts
-(allocator pools, load transients, thread stacks) is added to the baseline -- which only grows -- so
-memory the accounting missed is taken from the expert cache instead of going over the cap.
+The accounting is open loop (what the parts should take); with `measure` (the process's peak RSS since
+the previous update, set when a limit is in force) it is also closed: at each update whatever the
+process held beyond the parts (allocator pools, load transients, a chunk's transient arrays, thread
+stacks) is added to the baseline -- which only grows -- so memory the accounting missed is taken from
+the expert cache instead of going over the cap.
 
 Invariants: usable slots stay within [top-k, planned slots]; a request never exceeds what the RAM
 MemoryGovernor currently allows (its `ceiling`); the baseline never shrinks; tokens are unchanged by
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.cache.memory_limit import MemoryLimit
+from runtime.cache.memory_limit import MemoryLimit, activation_bytes
 
 
 @dataclass
@@ -73,13 +74,12 @@ class ContextGovernor:
         return m.baseline_bytes + m.resident_bytes + m.drafter_bytes + kv_bytes + held
 
     def _close_the_loop(self, kv_held: int) -> None:
-        """Measured memory beyond the accounted parts joins the baseline (which only grows). MLX's buffer cache
-        (freed activations kept for reuse) is left out: the activations have their own share."""
+        """Measured memory beyond the accounted parts (and the activations' share) joins the baseline, which only
+        grows by what is new: the baseline already holds what earlier updates found."""
         from dataclasses import replace
 
-        import mlx.core as mx
-
-        extra = self.measure() - mx.get_cache_memory() - self.accounted_bytes(kv_held)
+        act = activation_bytes(self.config, self.step, max(1, self.stats.kv_held_bytes // max(1, self.kv_per_token)))
+        extra = self.measure() - self.accounted_bytes(kv_held) - act
         if extra > 0:
             self.limit = replace(self.limit, baseline_bytes=self.limit.baseline_bytes + extra)
             self.stats.unaccounted_bytes += extra

@@ -142,6 +142,49 @@ def process_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+_peak_seen = 0  # the largest interval peak rss_peak_since_last() has read (the process's peak across its resets)
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_peak_since_last() -> int:
+    """The process's peak RSS since the previous call (Linux: the kernel's high-water mark VmHWM, then reset
+    through /proc/self/clear_refs), so transients between two calls -- a prefill chunk's arrays, a KV cache
+    growing by concatenation -- count, not only the RSS at the moment. Elsewhere the current RSS."""
+    global _peak_seen
+    hwm = _vm_hwm()
+    if hwm is None:
+        return process_rss()
+    _peak_seen = max(_peak_seen, hwm)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+    return hwm
+
+
+def process_peak_rss() -> int:
+    """The process's peak RSS over its life, across rss_peak_since_last()'s resets."""
+    hwm = _vm_hwm()
+    if hwm is None:
+        import resource
+        import sys
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kb if sys.platform == "darwin" else kb * 1024
+    return max(_peak_seen, hwm)
+
+
 def apply_memory_limit(plan, text: str, *, config: dict, layouts: dict, resident_bytes: int, context_tokens: int,
                        drafter_bytes: int, top_k: int, baseline_bytes: int):
     """The load-time side of --memory-limit: (plan within the limit, the MemoryLimit, the prefill step,

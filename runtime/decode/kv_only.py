@@ -14,7 +14,8 @@ a stand-in returning lazy zeros of the SwitchGLU shape: no host sync, no reads, 
 Invariants: every cache state a chunk writes is bit-identical to the full forward's (the stand-in's
 output reaches no cache; tests/test_kv_only.py checks it for every family); the module is restored on
 exit, also after an error; only use it around forwards whose logits are discarded; a model whose last
-decoder layer has no expert module is left as it is.
+decoder layer has no expert module, or that records a routing trace (which needs every layer's routing of
+every token), is left as it is.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def last_layer_experts(om) -> tuple[nn.Module, str] | None:
 @contextmanager
 def kv_only(om):
     """Forwards inside skip the last decoder layer's experts (their logits must not be read)."""
-    where = last_layer_experts(om) if om is not None else None
+    tracing = om is not None and om.telemetry is not None and om.telemetry.tracing
+    where = last_layer_experts(om) if om is not None and not tracing else None  # a routing trace needs every layer
     if where is None:
         yield
         return

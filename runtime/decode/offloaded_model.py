@@ -30,7 +30,7 @@ from runtime.decode.families import check_supported, top_k
 from runtime.decode.layer_replay import LayerReplay
 from runtime.decode.moe_blocks import block_info, match_expert_modules
 from runtime.cache import GovernorConfig, MemoryGovernor
-from runtime.cache import DEFAULT_PREFILL_STEP, ContextGovernor, apply_memory_limit, process_rss
+from runtime.cache import DEFAULT_PREFILL_STEP, ContextGovernor, apply_memory_limit, process_rss, rss_peak_since_last
 from runtime.observe import Telemetry
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
 from storage.faults import FaultyReader, parse_faults
@@ -168,7 +168,7 @@ class OffloadedModel:
             limit = limit.remeasured(process_rss(), store.resident_bytes + cache.nbytes)
             om.memory_limit = limit
             om.context_governor = ContextGovernor(cache, limit, store.config, step, governor, kv_per_token,
-                                                  measure=process_rss)  # closed loop: what the accounting misses
+                                                  measure=rss_peak_since_last)  # closed loop: what the accounting misses
         return om
 
     @staticmethod
