@@ -73,12 +73,12 @@ class ContextGovernor:
         held = sum(n * self.cache.layouts[l].expert_bytes for l, n in self.cache.usable_now().items())
         return m.baseline_bytes + m.resident_bytes + m.drafter_bytes + kv_bytes + held
 
-    def _close_the_loop(self, kv_held: int) -> None:
+    def _close_the_loop(self, kv_held: int, context: int, chunk: int) -> None:
         """Measured memory beyond the accounted parts (and the activations' share) joins the baseline, which only
         grows by what is new: the baseline already holds what earlier updates found."""
         from dataclasses import replace
 
-        act = activation_bytes(self.config, self.step, max(1, self.stats.kv_held_bytes // max(1, self.kv_per_token)))
+        act = activation_bytes(self.config, min(chunk, max(1, context)), context)  # the share expert_room leaves
         extra = self.measure() - self.accounted_bytes(kv_held) - act
         if extra > 0:
             self.limit = replace(self.limit, baseline_bytes=self.limit.baseline_bytes + extra)
@@ -92,7 +92,7 @@ class ContextGovernor:
         s.kv_bytes = kv_bytes
         s.kv_held_bytes = kv_bytes if kv_held is None else kv_held
         if self.measure is not None:
-            self._close_the_loop(s.kv_held_bytes)
+            self._close_the_loop(s.kv_held_bytes, context, chunk or self.step)
         n = self.slots_for(kv_bytes, context, chunk)
         if self.memory_governor is not None:
             self.memory_governor.ceiling = n  # its later grows stop here
