@@ -55,7 +55,7 @@ def _decode(om, prompts, tokens, one_sync):
 # the default path (device passes); a prefetching lookahead keeps its source layers' synced calls there, an in-pass
 # one is folded into the pass (no prefetch; with in_repairs a repair also reads its forecasts). "per-layer":
 # --one-sync off, every layer synced (where prefetch overlaps the next layer's reads).
-LIVE_VARIANTS = {"off, one-sync": (None, "auto"), "off, per-layer": (None, "off"),
+LIVE_VARIANTS = {"off, one-sync": (None, "auto"), "off, per-layer": (None, "off"), "off, LRU, per-layer": (None, "off"),
                  "j=1 m=4 in-pass, one-sync": ((1, 4, None, True, False), "auto"),
                  "j=1 m=4 in-pass+repairs, one-sync": ((1, 4, None, True, True), "auto"),
                  "j=1 m=4 p>=3/E, one-sync": ((1, 4, None, False, False), "auto"),
@@ -73,7 +73,7 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
         for _ in range(repeats):
             for variant, (la, one_sync) in LIVE_VARIANTS.items():  # interleaved
                 om = OffloadedModel.load(embedded_pair().target, OffloadConfig(
-                    budget="25%", inject=f"slow:ms={ms}" if ms else ""))
+                    budget="25%", inject=f"slow:ms={ms}" if ms else "", policy="lru" if "LRU" in variant else "dlfu"))
                 try:
                     if la is not None:
                         om.set_lookahead(la[0], la[1], min_prob=la[2], in_pass=la[3]).in_repairs = la[4]
@@ -85,7 +85,8 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
                                        "mb_per_token": agg["mb"] / agg["tokens"],
                                        **{k: v / agg["tokens"] for k, v in d.items()}})
         label = f"EMULATED +{ms:g} ms/read" if ms else "real reads"
-        print(f"\nlive plain decode at 25% (dlfu), {label}: decode tok/s median (min-max) over {repeats} interleaved "
+        lru = statistics.median(x["misses_per_token"] for x in extra["off, LRU, per-layer"])
+        print(f"\nlive plain decode at 25% (dlfu unless LRU), {label}: decode tok/s median (min-max) over {repeats} interleaved "
               f"repeats of {len(prompts)} prompts x {tokens} tokens; ratio per repeat to off on the same path")
         for v in LIVE_VARIANTS:
             e = extra[v]
@@ -94,7 +95,7 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
             ratio = [a / b for a, b in zip(runs[v], runs[base])]
             print(f"  lookahead {v:<35}{spread(runs[v]):>22} tok/s  vs off {spread(ratio):>18} | syncs/tok "
                   f"{med('syncs'):.2f} (repairs {med('repairs'):.2f}) | demand misses/tok "
-                  f"{med('misses_per_token'):.2f} | MB/tok {med('mb_per_token'):.4f} | prefetch reads/tok "
+                  f"{med('misses_per_token'):.2f} ({med('misses_per_token') / lru:.2f}x LRU) | MB/tok {med('mb_per_token'):.4f} | prefetch reads/tok "
                   f"{med('prefetch_loaded'):.2f}: used {med('prefetch_hits'):.2f}, wasted {med('prefetch_wasted'):.2f}")
         out[label] = {"tok_s": runs, "detail": extra}
     return out

@@ -147,6 +147,24 @@ def _split(seqs: dict, n: int, slots: int, tokens: int) -> dict:
     return {"alloc": alloc, "equal_per_token": equal, "split_per_token": split}
 
 
+def _per_prompt(runs, layers, n: int, slots: int, j: int, m: int, tau: float) -> dict:
+    """Per prompt, all layers summed: demand misses with the lookahead vs LRU's, reads vs Belady's."""
+    demand, reads = [], []
+    for a, f in runs:
+        dem = rd = lru = opt = 0
+        for l in layers:
+            seq = [a[l]]
+            lru += replay(seq, n, slots, "lru").misses
+            opt += belady(seq, slots).misses
+            fc = [np.where(f[(l, j)][:, TOP:TOP + m] >= tau, f[(l, j)][:, :m], -1).astype(np.int64)] \
+                if (l, j) in f else None
+            r = replay_prefetch(seq, fc, n, slots, "dlfu", 1)
+            dem, rd = dem + r.misses, rd + r.reads
+        demand.append(dem / lru)
+        reads.append(rd / opt)
+    return {"demand_vs_lru": demand, "reads_vs_belady": reads}
+
+
 def part_lookahead(tokens: int, fraction: float = 0.25) -> dict:
     prompts = [t for t in (ROOT / "profile_texts.txt").read_text().splitlines() if t.strip()]
     prompts += [t for t in (ROOT / "prompts.txt").read_text().splitlines() if t.strip()]
@@ -198,6 +216,10 @@ def part_lookahead(tokens: int, fraction: float = 0.25) -> dict:
                                    "per_layer_demand_vs_lru": d_lru, "per_layer_reads_vs_belady": r_opt,
                                    "prefetch_per_token": pref / total, "used_per_token": used / total,
                                    "wasted_per_token": wasted / total}
+    pp = _per_prompt(runs, layers, n, slots, 1, 4, DEFAULT_P)
+    print(f"default (j=1 m=4 p>=3/E) per prompt, all layers, over {len(runs)} prompts: demand vs LRU "
+          f"{spread(pp['demand_vs_lru'])}, reads vs Belady {spread(pp['reads_vs_belady'])}")
+    res["per_prompt_default"] = pp
     return res
 
 
