@@ -23,14 +23,7 @@ import numpy as np
 from runtime.checkpoints import embedded_pair
 from runtime.decode import OffloadConfig, OffloadedModel, generate_tokens
 from runtime.observe import RoutingTrace
-from runtime.tune import (
-    allocate_slots,
-    belady,
-    future_frequency_misses,
-    replay,
-    replay_prefetch,
-)
-from runtime.tune.slot_split import coarse_miss_curve
+from runtime.tune import allocate_slots, belady, coarse_miss_curve, future_frequency_misses, replay, replay_prefetch
 
 ROOT = Path(__file__).resolve().parent
 DISTANCES = (1, 2, 4)
