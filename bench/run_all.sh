@@ -94,6 +94,7 @@ run prefill python bench/bench_prefill.py
 run long_context python bench/bench_long_context.py
 run long_context_tight python bench/bench_long_context.py --cap 145000000
 run long_context_giveback python bench/bench_long_context.py --n-experts 256 --cap 150000000 --no-unlimited --planned-context 4096
+run long_context_giveback_160 python bench/bench_long_context.py --n-experts 256 --cap 160000000 --no-unlimited --planned-context 4096
 run prompt_cache python bench/bench_prompt_cache.py --repeats 2
 run families python bench/bench_families.py
 run memory python bench/bench_memory.py
