@@ -16,6 +16,7 @@ min-max. Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 import sys
@@ -57,7 +58,7 @@ def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto")
             from runtime.decode import DevicePass
 
             warm_start(om)
-            dp = DevicePass(om)
+            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None)
             gen = offloaded_generate_step(om, ids, max_tokens=n_tokens, sampler=sampler, device_pass=dp,
                                           after_prefill=om.cache.settle_inflight)
         else:
@@ -92,46 +93,57 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--budgets", default="100%,50%,25%")
-    ap.add_argument("--one-sync", default="auto", choices=["auto", "off"],
-                    help="auto: device passes, as `specmoe generate` runs them; off: one host sync per MoE layer")
+    ap.add_argument("--one-sync", default="auto,on",
+                    help="comma list of: auto (device passes with segment repairs when misses are frequent, as "
+                         "`specmoe generate` runs them), on (device passes, one sync + one per repair), off (one host "
+                         "sync per MoE layer); each is a variant per budget below 100%%")
     ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
     args = ap.parse_args()
+    modes = args.one_sync.split(",")
+    if not modes or any(m not in ("auto", "on", "off") for m in modes):
+        ap.error(f"--one-sync {args.one_sync!r}; expected a comma list of auto, on, off")
+    load0 = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or make_tiny(Path(tmp) / "m", "qwen3_moe", seed=0, layers=8, n_experts=64, top_k=4,
                                        hidden=256, expert_hidden=256)
-        variants = [("stock", None)] + [(f"specmoe {b}", b) for b in args.budgets.split(",")]
+        variants = [("stock", None, None)]
+        for b in args.budgets.split(","):  # at 100% there is no repair: the modes but "off" run alike
+            for m in (modes[:1] if b == "100%" and "off" not in modes else modes):
+                variants.append((f"specmoe {b}" + (f" {m}" if len(modes) > 1 and b != "100%" else ""), b, m))
         loaded = {}
-        for name, budget in variants:
+        for name, budget, mode in variants:
             if budget is None:
                 model, tok = load(str(path))
-                loaded[name] = (model, tok, None)
+                loaded[name] = (model, tok, None, None)
             else:
                 om = OffloadedModel.load(path, OffloadConfig(budget=budget))
-                loaded[name] = (om.model, om.tokenizer, om)
-        for model, tok, om in loaded.values():  # warmup: files hot, kernels built
-            decode_tps(model, tok, 8, om, args.one_sync)
-        samples = {name: [] for name, _ in variants}
+                loaded[name] = (om.model, om.tokenizer, om, mode)
+        for model, tok, om, mode in loaded.values():  # warmup: files hot, kernels built
+            decode_tps(model, tok, 8, om, mode)
+        samples = {name: [] for name, _, _ in variants}
         io = {}
         for _ in range(args.trials):  # interleave variants so drift hits all alike
-            for name, _ in variants:
-                model, tok, om = loaded[name]
-                tps, per = decode_tps(model, tok, args.tokens, om, args.one_sync)
+            for name, _, _ in variants:
+                model, tok, om, mode = loaded[name]
+                tps, per = decode_tps(model, tok, args.tokens, om, mode)
                 samples[name].append(tps)
                 io.setdefault(name, []).append(per)
         expert_mb = None
-        for _, _, om in loaded.values():
+        for _, _, om, _ in loaded.values():
             if om:
                 expert_mb = om.store.expert_bytes_total / 1e6
                 om.close()
 
     lines = [f"model: {args.model or 'synthetic qwen3_moe, 8 layers x 64 experts, top-4'} ({expert_mb:.1f} MB of experts); "
              f"greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, {args.trials} interleaved trials, files hot, "
-             f"path: {'device passes' if args.one_sync != 'off' else 'one sync per MoE layer'}",
-             f"{'variant':<16}{'tok/s':>9}{'vs stock (min-max)':>24}{'CPU ms/tok':>11}{'CPU vs stock (min-max)':>26}"
+             f"one-sync modes: {args.one_sync} (auto: segment repairs when misses are frequent; on: one sync + one per "
+             f"repair; off: one sync per MoE layer); load average {load0:.1f} at the start, "
+             f"{os.getloadavg()[0]:.1f} at the end",
+             f"{'variant':<20}{'tok/s':>9}{'vs stock (min-max)':>24}{'CPU ms/tok':>11}{'CPU vs stock (min-max)':>26}"
              f"{'misses/tok':>12}{'MB read/tok':>13}{'syncs/tok':>11}{'repairs/tok':>13}"]
     results = {}
-    for name, _ in variants:
+    for name, _, _ in variants:
         tps = statistics.median(samples[name])
         ratios = [a / b for a, b in zip(samples[name], samples["stock"])]
         # CPU time per token (this process, all threads): work done, less sensitive to other tenants than wall time.
@@ -141,13 +153,13 @@ def main() -> None:
                          "ratio_min": min(ratios), "ratio_max": max(ratios), "ratios": ratios,
                          "cpu_ratio_vs_stock": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
                          "cpu_ratio_max": max(cpu_ratios), **per}
-        lines.append(f"{name:<16}{tps:>9.1f}{statistics.median(ratios):>10.2f} ({min(ratios):.2f}-{max(ratios):.2f}){'':>3}"
+        lines.append(f"{name:<20}{tps:>9.1f}{statistics.median(ratios):>10.2f} ({min(ratios):.2f}-{max(ratios):.2f}){'':>3}"
                      f"{per['cpu_ms_per_token']:>11.2f}{statistics.median(cpu_ratios):>12.2f} "
                      f"({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}){'':>3}"
                      f"{per['misses_per_token']:>12.2f}{per['mb_read_per_token']:>13.3f}"
                      f"{per['host_syncs_per_token']:>11.2f}{per['repairs_per_token']:>13.2f}")
     lines.append(json.dumps({"bench": "decode", "model": str(args.model or "synthetic qwen3_moe 8x64 experts"),
-                             "one_sync": args.one_sync, "tokens": args.tokens, "trials": args.trials, "results": results}))
+                             "one_sync": args.one_sync, "load_average": [load0, os.getloadavg()[0]], "tokens": args.tokens, "trials": args.trials, "results": results}))
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -54,5 +54,19 @@ class DecayedLFUPolicy:
         self._stamp[e] = self._tick
         self._last[slot] = self._tick
 
+    def on_access_many(self, slots: list[int]) -> None:
+        """on_access(slot) for each slot in order, with the same arithmetic (the decoder books a whole
+        forward's uses at once)."""
+        tick, rate, exp = self._tick, self._rate, math.exp
+        count, stamp, expert, last = self._count, self._stamp, self._expert, self._last
+        for slot in slots:
+            tick += 1
+            e = expert[slot]
+            c = count.get(e)
+            count[e] = (0.0 if c is None else c * exp(-rate * (tick - stamp[e]))) + 1.0
+            stamp[e] = tick
+            last[slot] = tick
+        self._tick = tick
+
     def victim(self, candidates: list[int]) -> int:
         return min(candidates, key=lambda s: (self.score(self._expert[s]), self._last[s]))

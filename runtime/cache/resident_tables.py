@@ -169,3 +169,18 @@ class ResidentTables:
                 hits, prefetch_used = self.table.record_use(layer, experts, loaded, reads)
                 out.append((hits, reads, prefetch_used, nbytes, ms))
         return out
+
+    def eviction_mark(self) -> int:
+        """Changes whenever an expert of any layer loses its slot (record_hit_forward() relies on it)."""
+        return self.table.evictions
+
+    def record_hit_forward(self, layers: list, slots: list, mark: int) -> list[int] | None:
+        """record_forward() of an accepted one-token forward whose calls all hit: slots[i] is the list of
+        the k (distinct) slots layer layers[i] looked up. The slots stand for the experts only while no
+        expert lost its slot since `mark` (eviction_mark() at the forward's sync): else None, and the
+        caller books the expert ids with record_forward(). Returns prefetch_used per layer."""
+        with self._lock:
+            if self.table.evictions != mark:
+                return None
+            record = self.table.record_slots
+            return [record(layer, s, None, len(s), 0)[1] for layer, s in zip(layers, slots)]

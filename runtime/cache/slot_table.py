@@ -80,6 +80,8 @@ class SlotTable:
             if n < 1:
                 raise ValueError(f"layer {layer}: {n} slots; at least 1 is needed")
         self.policy_name = policy
+        self.evictions = 0  # experts dropped from a valid slot, all layers (evict, trim, clear): while it is
+        # unchanged, every expert keeps the slot it had (record_slots() may take slots read earlier as current)
         self.layers = {layer: LayerSlots(n_experts[layer], slots[layer], policy, None if resident is None else
                                          resident(layer, LayerSlots.absent_codes(n_experts[layer], slots[layer])))
                        for layer in slots}
@@ -154,6 +156,7 @@ class SlotTable:
             ls.expert_to_slot[old] = -1
             ls.resident[old] = ls.n_slots + old
             ls.stats.evictions += 1
+            self.evictions += 1
             if ls.prefetched[slot]:
                 ls.stats.prefetch_wasted += 1
         ls.slot_to_expert[slot] = key.expert
@@ -226,6 +229,7 @@ class SlotTable:
                 ls.stats.prefetch_wasted += 1
             ls.prefetched[slot] = False
         ls.stats.shrink_evictions += len(gone)
+        self.evictions += len(gone)
         return len(gone)
 
     def clear(self, layer: int) -> None:
@@ -234,6 +238,7 @@ class SlotTable:
         ls = self.layers[layer]
         if (ls.pins > 0).any() or (ls.state == LOADING).any() or ls.held:
             raise RuntimeError(f"layer {layer}: cannot clear while slots are pinned or loading")
+        self.evictions += 1
         ls.expert_to_slot[:] = -1
         ls.slot_to_expert[:] = -1
         ls.state[:] = FREE
@@ -247,23 +252,32 @@ class SlotTable:
         read experts the recomputed call did not use: they count as misses too, as their bytes were
         read): recency, hits/misses, prefetch use. Returns (hits, prefetch hits).
         Runs once per layer per token on a handful of ids: two numpy ops, no per-expert numpy."""
+        slots = self.layers[layer].expert_to_slot[experts]
+        return self.record_slots(layer, slots.tolist(), slots, len(experts) - loaded, loaded if reads is None else reads)
+
+    def record_slots(self, layer: int, slots: list, array: np.ndarray | None, hits: int, misses: int) -> tuple[int, int]:
+        """record_use() given the experts' slots (a list; `array`: the same as an int array, or None), `hits`
+        and `misses` to count: recency and prefetch use. A slot < 0 (evicted since the call ran) is skipped."""
         ls = self.layers[layer]
-        slots = ls.expert_to_slot[experts]
-        on_access = ls.policy.on_access
-        for slot in slots.tolist():
-            if slot >= 0:  # < 0: evicted since the call ran (after its forward was released)
-                on_access(slot)
+        many = getattr(ls.policy, "on_access_many", None)  # a policy's batch form, where it has one
+        if many is not None:
+            many([s for s in slots if s >= 0] if min(slots, default=0) < 0 else slots)
+        else:
+            on_access = ls.policy.on_access
+            for slot in slots:
+                if slot >= 0:
+                    on_access(slot)
         used = 0
         if ls.ever_prefetched:
-            flags = ls.prefetched[slots]
+            array = np.asarray(slots, np.int64) if array is None else array
+            flags = ls.prefetched[array]
             if flags.any():
-                hit = slots[flags & (slots >= 0)]
+                hit = array[flags & (array >= 0)]
                 ls.prefetched[hit] = False
                 used = len(hit)
-        hits = len(experts) - loaded
         st = ls.stats
         st.hits += hits
-        st.misses += loaded if reads is None else reads
+        st.misses += misses
         st.prefetch_hits += used
         return hits, used
 

@@ -48,13 +48,23 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from runtime.decode.lookahead_pass import PassForecasts
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
+from runtime.decode.segment_repair import SegmentRepair
+
+# A host sync's cost in recomputed decoder layers (q of runtime/decode/segment_repair.py). On this CPU a
+# sync (~50 us) is cheap next to a layer's recompute (~1-2 ms of CPU on the synthetic 8-layer model); at
+# q = 0.05 a 25% budget (a repair in ~0.7 of the tokens) syncs after every layer, 50% every 2 layers.
+SYNC_COST = 0.05
+DEFER_FORWARDS = 16  # hit forwards whose bookkeeping flush(defer=True) books together
 
 
 @dataclass
 class PassStats:
     passes: int = 0  # forwards run through the pass
-    host_syncs: int = 0  # host syncs those forwards made (1 + repairs + synced layer calls)
-    repairs: int = 0  # recomputations after absent experts
+    host_syncs: int = 0  # host syncs those forwards made (1 + repairs + boundary syncs + synced layer calls)
+    repairs: int = 0  # recomputations after absent experts (of a whole forward's tail, or of one segment)
+    boundary_syncs: int = 0  # host syncs at segment boundaries (runtime/decode/segment_repair.py)
+    boundary_repairs: int = 0  # of the repairs, those made at a boundary (inside the forward)
+    boundary_recomputed: int = 0  # decoder layers those recomputed
     multi_sync: int = 0  # passes that needed more than one host sync
     repair_reads: int = 0  # experts read by repairs
     wasted_reads: int = 0  # of those, experts the accepted forward did not use
@@ -79,8 +89,11 @@ class _Launch:
     held: frozenset
 
 
-class DevicePass:
-    def __init__(self, om, max_repairs: int | None = None):
+class DevicePass(SegmentRepair):
+    def __init__(self, om, max_repairs: int | None = None, segment: int | str | None = None,
+                 sync_cost: float = SYNC_COST):
+        """segment: repair within segments of S decoder layers (runtime/decode/segment_repair.py): None
+        never, "auto" when recent repairs make it pay, or S."""
         self.om = om
         self.cache = om.cache
         self.modules = om.modules
@@ -95,11 +108,16 @@ class DevicePass:
         self._host: dict = {}  # layer -> (ids (T, k), codes (T, k))
         self._synced: dict[int, tuple[np.ndarray, list]] = {}  # layer -> (ids, CallStats) of synced calls
         self._book = None
+        self._deferred: list = []  # records of accepted forwards not booked yet (flush(defer=True)), in order
+        self._codes, self._mark = None, 0  # the last sync's (layers, lookup codes (L, T, k)), eviction mark
         self._records: list = []
         self._syncs0 = 0
         self._lookup_key, self._lookup = None, frozenset()
         self._n_slots = [self.cache.n_slots(l) for l in self.order]
         self.ahead = PassForecasts(self.index)  # router-lookahead forecasts recorded in the graph
+        self._loaded: dict[int, list] = {}  # layer -> [(experts read, bytes, ms)] by this forward's repairs
+        self._forward_repairs = 0  # repairs inside this forward (at segment boundaries)
+        self._init_segments(segment, sync_cost)
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
@@ -119,9 +137,9 @@ class DevicePass:
         self.flush()
         return out
 
-    def launch(self, forward: Callable, cache: list, n_tokens: int) -> None:
+    def launch(self, forward: Callable, cache: list, n_tokens: int, segments: bool = True) -> None:
         """Build forward() lazily in device mode and queue it (mx.async_eval); no host sync here
-        (except layers that take the synced path)."""
+        (except layers that take the synced path, and segment boundaries unless `segments` is False)."""
         if self._launch is not None:
             raise RuntimeError("launch() while a forward is pending; finish() it first")
         cap = self.top_k * n_tokens
@@ -134,11 +152,14 @@ class DevicePass:
             self._lookup_key = key
             self._lookup = frozenset(l for l, s in zip(self.order, synced) if cap <= usable[l] and not s)
         self.lookup_layers = self._lookup
+        if self._deferred and len(self._lookup) < len(self.order):
+            self.flush()  # a synced layer's call may evict: the waiting records' recency first
         snapshot = snapshot_untrimmable(cache)
         self._host, self._synced = {}, {}
         self.ahead.reset()
         self._syncs0 = self.cache.host_syncs
-        self.replay.start()
+        self._loaded, self._forward_repairs = {}, 0
+        self.replay.start(self._boundaries(cache, n_tokens) if segments else frozenset(), self._boundary)
         try:
             self._launch = self._build(forward, cache, n_tokens, snapshot)
         except BaseException:
@@ -148,7 +169,7 @@ class DevicePass:
 
     def _build(self, forward, cache, n_tokens, snapshot) -> _Launch:
         held = self.lookup_layers
-        self._records = []
+        self._records, self._seg_start, self._cur = [], 0, (cache, snapshot, n_tokens, held)
         self.cache.hold(held)
         try:
             self.cache.active_pass = self  # every module of the model looks up on the device now
@@ -158,28 +179,29 @@ class DevicePass:
                 self.cache.active_pass = None
             layers = [l for l, _, _ in self._records]
             shapes = [tuple(i.shape) for _, i, _ in self._records]
-            packed = None
-            if self._records:
-                arrays = [c for _, _, c in self._records] + [i for _, i, _ in self._records]
-                if len(set(shapes)) == 1 and len({a.dtype for a in arrays}) == 1:
-                    packed = mx.stack(arrays)  # one array, one transfer: codes of every layer, then ids
-                else:
-                    packed = mx.concatenate([a.reshape(-1).astype(mx.int64) for a in arrays])
-                mx.async_eval(out, packed, self.ahead.arrays())
-            else:
-                mx.async_eval(out, self.ahead.arrays())
+            packed = self._pack(self._records) if self._records else None
+            mx.async_eval(out, [] if packed is None else packed, self.ahead.arrays())
         except BaseException:
             self.cache.release(held)
             raise
         finally:
-            self._records = []
+            self._records, self._cur = [], None
         self.stats.layer_calls += len(layers)
         return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held)
+
+    @staticmethod
+    def _pack(records: list) -> mx.array:
+        """One array, one transfer: the records' codes (every layer), then their ids."""
+        arrays = [c for _, _, c in records] + [i for _, i, _ in records]
+        if len({tuple(i.shape) for _, i, _ in records}) == 1 and len({a.dtype for a in arrays}) == 1:
+            return mx.stack(arrays)
+        return mx.concatenate([a.reshape(-1).astype(mx.int64) for a in arrays])
 
     def _sync(self, launch: _Launch) -> list[int]:
         """The host sync of a built forward; returns the MoE layers with an absent expert."""
         try:
             mx.eval(launch.out, [] if launch.packed is None else launch.packed, self.ahead.arrays())  # one sync
+            self._mark = self.cache.eviction_mark()  # still held: the codes name the experts' slots now
         finally:
             self.cache.release(launch.held)
         self.cache.host_syncs += 1
@@ -189,6 +211,7 @@ class DevicePass:
         n, k = len(launch.layers), launch.shapes[0][-1]
         host = np.array(launch.packed).astype(np.int64, copy=False).reshape(2, n, -1, k)  # int64: fast indexing
         codes, ids = host[0], host[1]
+        self._codes = (launch.layers, codes)
         for layer, i, c in zip(launch.layers, ids, codes):
             self._host[layer] = (i, c)
         # In Python over a few dozen ints: numpy's broadcasting compare costs ~0.5 ms here right after an eval.
@@ -200,7 +223,7 @@ class DevicePass:
         launch, self._launch = self._launch, None
         if launch is None:
             raise RuntimeError("finish() without launch()")
-        loaded: dict[int, list] = {}
+        loaded = self._loaded  # the repairs' reads, at segment boundaries and here
         try:
             missing = self._sync(launch)
             repairs = 0
@@ -212,6 +235,8 @@ class DevicePass:
                 missing = self._sync(launch)
         finally:
             self.replay.stop()
+        repairs += self._forward_repairs
+        self._note_repairs(launch.n_tokens, repairs)
         if self.om.forward_hooks:  # no forward is pending here: a hook's prefetches may evict
             routing = {l: h[0] for l, h in self._host.items()}
             for hook in self.om.forward_hooks:
@@ -220,7 +245,13 @@ class DevicePass:
         self.stats.repairs += repairs
         self.stats.host_syncs += syncs
         self.stats.multi_sync += syncs > 1
-        self._book = (self._host, self._synced, loaded, self.ahead.take())
+        layers, codes = self._codes if self._codes is not None else ((), None)
+        # A one-token forward that every layer looked up on the device and that needed no reads: its codes are
+        # the slots it used, and flush() books it from them (ResidentTables.record_hit_forward).
+        hit = (layers, codes, self._mark) if not repairs and not loaded and not self._synced and \
+            launch.n_tokens == 1 and len(layers) == len(self.order) else None
+        self._codes = None
+        self._book = (self._host, self._synced, loaded, self.ahead.take(), hit)
         self._host, self._synced = {}, {}
         return launch.out
 
@@ -254,13 +285,55 @@ class DevicePass:
         return self._build(launch.forward, launch.cache, launch.n_tokens, launch.snapshot)
 
     # -- bookkeeping, once per accepted forward ------------------------------------------------
-    def flush(self) -> None:
-        """Record the last accepted forward: recency, hits/misses, observer, telemetry."""
-        if self._book is None:
+    def flush(self, defer: bool = False) -> None:
+        """Record the last accepted forward: recency, hits/misses, observer, telemetry. With `defer`, a hit
+        forward's record may wait for up to DEFER_FORWARDS - 1 later ones, booked together (right after a
+        forward's compute the host's caches are cold: one pass over several records costs less than one
+        per token). Whatever may choose a victim books every waiting record first: a repair, a boundary
+        repair, a build with synced layers, a forward hook (none is deferred then), flush()."""
+        book, self._book = self._book, None
+        if book is not None:
+            self._deferred.append(book)
+            if defer and book[4] is not None and not book[3] and not self.om.forward_hooks and \
+                    len(self._deferred) < DEFER_FORWARDS:
+                return
+        if not self._deferred:
             return
         t0 = time.perf_counter()
-        host, synced, loaded, forecasts = self._book
-        self._book = None
+        books, self._deferred = self._deferred, []
+        for host, synced, loaded, forecasts, hit in books:
+            self._book_forward(host, synced, loaded, forecasts, hit)
+        self.cache.unprotect()  # the forwards have passed every layer: their forecasts have served
+        self.stats.bookkeeping_s += time.perf_counter() - t0
+
+    def _book_forward(self, host: dict, synced: dict, loaded: dict, forecasts: dict, hit: tuple | None) -> None:
+        calls = self._hit_calls(host, hit) if hit is not None else None
+        if calls is None:
+            calls, wasted = self._calls(host, synced, loaded)
+            self.stats.wasted_reads += wasted
+        modules = self.modules
+        for layer, ids, _, _ in calls:
+            observer = modules[layer].observer
+            if observer is not None:
+                observer(layer, ids)
+        if self.om.telemetry is not None:
+            self.om.telemetry.on_forward(calls)
+        if forecasts:
+            self.ahead.score(forecasts, {l: h[0] for l, h in host.items()},
+                             {l: self.modules[l].lookahead for l in host})
+
+    def _hit_calls(self, host: dict, hit: tuple) -> list | None:
+        """The calls of a one-token forward that hit everywhere, booked from its lookup codes (its slots),
+        or None when an expert lost its slot since its sync (then _calls() books the expert ids)."""
+        layers, codes, mark = hit
+        used = self.cache.record_hit_forward(layers, codes.reshape(len(layers), -1).tolist(), mark)
+        if used is None:
+            return None
+        k = codes.shape[-1]
+        return [(layer, host[layer][0], k, (k, 0, u, 0, 0.0)) for layer, u in zip(layers, used)]
+
+    def _calls(self, host: dict, synced: dict, loaded: dict) -> tuple[list, int]:
+        """Book a forward's calls from their expert ids: [(layer, ids, n_unique, stats)] and wasted reads."""
         rows, wasted = [], 0
         for layer in self.order:
             h = host.get(layer)
@@ -289,19 +362,7 @@ class DevicePass:
                 elif layer in synced:
                     ids, cs = synced[layer]
                     calls.append((layer, ids, len(np.unique(ids)), _sum_calls(cs)))
-        modules = self.modules
-        for layer, ids, _, _ in calls:
-            observer = modules[layer].observer
-            if observer is not None:
-                observer(layer, ids)
-        if self.om.telemetry is not None:
-            self.om.telemetry.on_forward(calls)
-        if forecasts:
-            self.ahead.score(forecasts, {l: h[0] for l, h in host.items()},
-                             {l: self.modules[l].lookahead for l in host})
-        self.cache.unprotect()  # the forward has passed every layer: their forecasts have served
-        self.stats.wasted_reads += wasted
-        self.stats.bookkeeping_s += time.perf_counter() - t0
+        return calls, wasted
 
 
 def _sum_calls(calls: list) -> tuple:

@@ -72,8 +72,10 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
         while n < max_tokens:
             # Queued before this token's bookkeeping and yield; as generate_step, also after the last
             # token (its routing completes the sequence's trace).
-            dp.launch(step(token), cache, 1)
-            dp.flush()
+            # The first decode forward is built before token 1 is counted (a prefill's stats end there): no segment
+            # repairs (reads) while it is built; its repairs come at its sync, after the yield, as without segments.
+            dp.launch(step(token), cache, 1, segments=n > 0)
+            dp.flush(defer=n > 0)  # the first forward's record is booked before its token is counted
             yield token.item(), logprobs
             n += 1
             if n % 256 == 0:

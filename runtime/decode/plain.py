@@ -99,8 +99,9 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     """Yield up to `max_tokens` token ids after `prompt_ids`; the generator returns the run's stats.
 
     `om` (an OffloadedModel) supplies paging counters and, unless one_sync is "off", its decode steps
-    run as device passes (one host sync per token, repaired when an expert was absent; "auto" and "on"
-    are the same). Before the prefill the cache is warmed: every expert when the budget holds them all,
+    run as device passes (one host sync per token, repaired when an expert was absent; "on" keeps it so,
+    "auto" also syncs at segment boundaries inside a forward while misses are frequent, so a repair
+    recomputes one segment: runtime/decode/segment_repair.py). Before the prefill the cache is warmed: every expert when the budget holds them all,
     else the most used per `warm` (a routing trace or expert counts); decoding starts once those reads
     are in.
     `sampler` (mlx-lm's make_sampler) overrides temp/top_p. `progress` (a PrefillProgress) shows the
@@ -119,7 +120,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     sampler = sampler or make_sampler(temp=temp, top_p=top_p)
     kv_options = {"kv_bits": kv_bits} if kv_bits else {}
     forward = model  # prefill chunks run here (a prompt cache prefills itself)
-    dp = DevicePass(om) if om is not None and one_sync != "off" else None
+    dp = DevicePass(om, segment="auto" if one_sync == "auto" else None) if om is not None and one_sync != "off" \
+        else None
     mx.reset_peak_memory()
     c0 = _counters(om)
     t0 = time.perf_counter()

@@ -3,9 +3,9 @@
 Trimmable caches (KVCache) drop positions; those that cannot be trimmed (GatedDeltaNet's
 ArraysCache, a full rotating cache) are restored from a snapshot taken before the forward.
 
-Invariant: after roll_back(cache, snapshot, n, start), caches [start:] hold what they held
-when the snapshot was taken, provided exactly n positions were written since; caches before
-`start` are untouched.
+Invariant: after roll_back(cache, snapshot, n, start), caches [start:stop] hold what they
+held when the snapshot was taken, provided exactly n positions were written since; the other
+caches are untouched.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ def snapshot_untrimmable(cache) -> list:
     return [None if c.is_trimmable() else tree_map(lambda x: x, c.state) for c in cache]
 
 
-def roll_back(cache, snapshot: list, n: int, start: int = 0) -> None:
-    """Drop the last n positions written to caches [start:]: trim, or restore a copy of the snapshot
+def roll_back(cache, snapshot: list, n: int, start: int = 0, stop: int | None = None) -> None:
+    """Drop the last n positions written to caches [start:stop]: trim, or restore a copy of the snapshot
     (a copy because caches mutate their state containers in place, and a snapshot may serve twice)."""
-    for c, s in list(zip(cache, snapshot))[start:]:
+    for c, s in list(zip(cache, snapshot))[start:stop]:
         if s is None:
             c.trim(n)
         else:

@@ -158,6 +158,8 @@ class SpeculativeDecoder:
         self._forecast = ExpertForecast.empty()
         self._queued: set[ExpertKey] = set()
         self._round_bytes = 0
+        # No segment repairs for verify windows: a window the forecast covered syncs once (segments would cut
+        # every window once a few repairs raised the rate; runtime/decode/segment_repair.py).
         self._pass = DevicePass(target) if cfg.one_sync != "off" else None
         self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
 
