@@ -159,6 +159,9 @@ class DevicePass(SegmentRepair):
         self.ahead.reset()
         self._syncs0 = self.cache.host_syncs
         self._loaded, self._forward_repairs = {}, 0
+        # No segments with a router lookahead attached: in a pass its forecast rides on the one sync and widens
+        # the repair's reads (runtime/decode/lookahead_pass.py); prefetching ones keep synced calls anyway.
+        segments = segments and not any(self.modules[l].lookahead is not None for l in self.order)
         self.replay.start(self._boundaries(cache, n_tokens) if segments else frozenset(), self._boundary)
         try:
             self._launch = self._build(forward, cache, n_tokens, snapshot)

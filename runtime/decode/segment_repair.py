@@ -46,7 +46,7 @@ class SegmentRepair:
         self.segment = segment  # None: never; "auto": from the repair rate; S: every S decoder layers
         self.sync_cost = sync_cost  # q: a host sync's cost in decoder-layer recomputes
         self.repair_rate = 0.0
-        self._n_layers = len(self.om.model.layers)
+        self._n_layers = max(self.index.values()) + 1 if self.index else 0  # through the last MoE layer
         self._seg_start = 0  # first record of the open segment
         self._cur = None  # (cache, snapshot, n_tokens, held) of the forward being built
 
