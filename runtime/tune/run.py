@@ -7,8 +7,9 @@ Stages (each measured on the same prompts with fresh caches):
 3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LRU instead of the default policy;
 5b. the router lookahead for the layers past the cutoff: 1 or 2 layers ahead, k or 2k experts per
     token (kept only if it is measurably faster: choose() prefers it off within noise);
-6. the three fastest settings measured twice more, interleaved (their median counts,
-   their min-max is the noise band tuner.choose() compares).
+6. the three fastest settings and the baseline (prefetch off) measured twice more, interleaved
+   (their median counts, their min-max is the noise band tuner.choose() compares): whether
+   prefetch pays is decided on repeated passes of both sides, never on one pass of the baseline.
 tuner.choose() picks from everything measured and names a winner only outside the noise.
 At a budget that holds every expert nothing is read after the prompt, so prefetch
 does not apply: stages 2 and 4 are skipped and the report says so.
@@ -86,6 +87,8 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         # One pass per setting is noisy on a shared machine: measure the finalists again, interleaved,
         # and decide on the median of all their passes.
         finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]
+        baseline = min((m.setting for m in measured), key=lambda s: s.simplicity())
+        finalists += [baseline] if baseline not in finalists else []
         passes = {s: [m for m in measured if m.setting == s] for s in finalists}
         for _ in range(2):
             for s in finalists:

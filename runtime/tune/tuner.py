@@ -6,7 +6,9 @@
   the drafting time at the measured per-expert load time over `threads` readers.
 - choose(): the fastest measured setting only if it is faster outside the noise:
   each measurement carries a band (the min-max of its repeated passes, at least
-  +-rel_noise around its median); a setting whose band reaches the best one's
+  +-rel_noise around its median; a setting measured once gets at least the median
+  half-width of the repeated ones in the same call, since one pass shows no spread
+  of its own and the run's repeats say how wide the noise is); a setting whose band reaches the best one's
   median, or whose median lies in the best one's band, counts as a tie, and among ties the simplest wins (prefetch off, then the
   smallest cutoff, then the fewest draft tokens) — so a flat or noisy curve picks
   "off", and the reason says it was a tie.
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from runtime.cache import DEFAULT_POLICY
@@ -83,16 +86,27 @@ def median_measurement(ms: list[Measurement]) -> Measurement:
                        tokens_per_s_min=min(tps), tokens_per_s_max=max(tps), n_passes=len(ms))
 
 
+def pooled_noise(measurements: list[Measurement], rel_noise: float = 0.03) -> float:
+    """The relative half-width a single pass is given: the median over the repeated measurements
+    of (max - min) / 2 / median, at least rel_noise (rel_noise when nothing was repeated)."""
+    widths = [(m.tokens_per_s_max - m.tokens_per_s_min) / 2 / m.tokens_per_s for m in measurements
+              if m.n_passes > 1 and m.tokens_per_s > 0 and m.tokens_per_s_min is not None and m.tokens_per_s_max is not None]
+    return max(rel_noise, statistics.median(widths)) if widths else rel_noise
+
+
 def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
     if not measurements:
         raise ValueError("the tuner needs at least one measurement")
+    single = pooled_noise(measurements, rel_noise)
+    # Compare with every single pass widened to the run's noise; report the measurement as measured.
+    banded = {id(m): (m if m.n_passes > 1 else _widened(m, single)) for m in measurements}
+    band = lambda m: banded[id(m)].band(rel_noise)  # noqa: E731
     best = max(measurements, key=lambda m: m.tokens_per_s)
-    best_lo = best.band(rel_noise)[0]
+    best_lo = band(best)[0]
     # A tie within the noise: the other setting's band reaches the best's median, or the best's band its median.
-    close = [m for m in measurements if m.band(rel_noise)[1] >= best.tokens_per_s or best_lo <= m.tokens_per_s]
+    close = [m for m in measurements if band(m)[1] >= best.tokens_per_s or best_lo <= m.tokens_per_s]
     pick = min(close, key=lambda m: m.setting.simplicity())
-    fmt = lambda m: (f"{m.tokens_per_s:.2f} tok/s [{m.band(rel_noise)[0]:.2f}-{m.band(rel_noise)[1]:.2f}] "  # noqa: E731
-                     f"over {m.n_passes} pass(es)")
+    fmt = lambda m: f"{m.tokens_per_s:.2f} tok/s [{band(m)[0]:.2f}-{band(m)[1]:.2f}] over {m.n_passes} pass(es)"  # noqa: E731
     if pick is best and len(close) == 1:
         reason = f"fastest measured, outside the noise of every other setting ({fmt(best)})"
     elif pick is best:
@@ -100,9 +114,17 @@ def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
     else:
         reason = (f"no winner outside the noise: the fastest ({best.setting}, {fmt(best)}) overlaps this simpler "
                   f"setting ({fmt(pick)}); keeping the simpler one")
+    if single > rel_noise:
+        reason += f"; a single pass counts as +-{single:.0%} (the median spread of this run's repeats)"
     if pick.setting.cutoff == 0 and pick.setting.lookahead == 0:
         reason += "; prefetch does not pay here"
     return Choice(pick.setting, pick, reason)
+
+
+def _widened(m: Measurement, rel: float) -> Measurement:
+    """A single pass with the run's pooled noise as its band."""
+    return replace(m, tokens_per_s_min=min(m.tokens_per_s_min or m.tokens_per_s, m.tokens_per_s * (1 - rel)),
+                   tokens_per_s_max=max(m.tokens_per_s_max or m.tokens_per_s, m.tokens_per_s * (1 + rel)))
 
 
 def analytic_cutoff_bound(*, n_layers: int, forecast_per_layer: float, slots_per_layer: int, window_unique: float,
