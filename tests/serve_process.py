@@ -50,6 +50,22 @@ def cli_env(**extra) -> dict:
     return env
 
 
+def wait_for_health(base: str, proc: subprocess.Popen, log_path: Path, startup_s: float, what: str) -> None:
+    """Poll BASE/health until it answers 200; raise (with the log) if `proc` exits or `startup_s` passes."""
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if get_json(base + "/health", timeout=2)[0] == 200:
+                return
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer /health in {startup_s:g} s:\n{log_path.read_text()}")
+        time.sleep(0.3)
+
+
 @contextmanager
 def serve(args: list[str], log_path: Path, startup_s: float = 240.0):
     """Yields the base URL (http://127.0.0.1:PORT) of `specmoe serve ARGS --port PORT`."""
@@ -59,18 +75,7 @@ def serve(args: list[str], log_path: Path, startup_s: float = 240.0):
                             cwd=ROOT, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"specmoe serve exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if get_json(base + "/health", timeout=2)[0] == 200:
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"specmoe serve did not answer /health in {startup_s} s:\n{log_path.read_text()}")
-            time.sleep(0.3)
+        wait_for_health(base, proc, log_path, startup_s, "specmoe serve")
         yield base
     finally:
         proc.terminate()

@@ -23,7 +23,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 
 from runtime.pipeline.local import local_launch_command
-from tests.serve_process import free_port, get_json, post_raw
+from tests.serve_process import free_port, get_json, post_raw, wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "runtime" / "data" / "tiny" / "target"
@@ -52,18 +52,7 @@ def launch(tmp_path_factory):
                             env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the launch exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if get_json(base + "/health", timeout=2)[0] == 200:
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no /health answer in 240 s:\n{log_path.read_text()}")
-            time.sleep(0.3)
+        wait_for_health(base, proc, log_path, 240, "the launch")
         pid = int(re.search(r"rank 0 pid (\d+)", log_path.read_text()).group(1))
         yield base, proc, pid, log_path
     finally:
