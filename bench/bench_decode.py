@@ -8,7 +8,8 @@ like stock, plus one per repair when an expert was absent. With files hot, a mis
 memory copy. Targets (issue 14): >= 0.97x at 100%, 0.92x at 50%, 0.8x at 25%.
 
 Variants, all greedy on the same prompts, files hot (one warmup run first):
-stock mlx-lm fully resident, and specmoe at 100%, 50% and 25% budgets. Ratios are per
+stock mlx-lm fully resident, and specmoe at 100%, 50% and 25% budgets ("next off": the same
+without building forward n+1 before forward n's sync, runtime/decode/next_forward.py). Ratios are per
 trial against the stock run of the same trial (interleaved), reported as median and
 min-max. Prints a table and ends with one JSON line.
 """
@@ -46,7 +47,8 @@ def _counters(om) -> dict:
     return {**om.counters(), "host_syncs": om.cache.host_syncs}
 
 
-def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto") -> tuple[float, dict]:
+def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto",
+               build_next: bool = True) -> tuple[float, dict]:
     """Decode tok/s over PROMPTS (all decoded tokens / all decode time); per decoded token: misses,
     MB read, host syncs, repairs."""
     elapsed, cpu, decoded, totals = 0.0, 0.0, 0, {"misses": 0, "bytes_read": 0, "host_syncs": 0, "repairs": 0}
@@ -58,7 +60,7 @@ def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto")
             from runtime.decode import DevicePass
 
             warm_start(om)
-            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None)
+            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next)
             gen = offloaded_generate_step(om, ids, max_tokens=n_tokens, sampler=sampler, device_pass=dp,
                                           after_prefill=om.cache.settle_inflight)
         else:
@@ -97,6 +99,9 @@ def main() -> None:
                     help="comma list of: auto (device passes with segment repairs when misses are frequent, as "
                          "`specmoe generate` runs them), on (device passes, one sync + one per repair), off (one host "
                          "sync per MoE layer); each is a variant per budget below 100%%")
+    ap.add_argument("--next-off", default="100%",
+                    help="comma list of budgets that also run a variant without building the next forward before "
+                         "the previous one's sync (runtime/decode/next_forward.py); empty: none")
     ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
     args = ap.parse_args()
     modes = args.one_sync.split(",")
@@ -107,30 +112,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or make_tiny(Path(tmp) / "m", "qwen3_moe", seed=0, layers=8, n_experts=64, top_k=4,
                                        hidden=256, expert_hidden=256)
-        variants = [("stock", None, None)]
+        next_off = [b for b in args.next_off.split(",") if b]
+        variants = [("stock", None, None, True)]
         for b in args.budgets.split(","):  # at 100% there is no repair: the modes but "off" run alike
             for m in (modes[:1] if b == "100%" and "off" not in modes else modes):
-                variants.append((f"specmoe {b}" + (f" {m}" if len(modes) > 1 and b != "100%" else ""), b, m))
+                name = f"specmoe {b}" + (f" {m}" if len(modes) > 1 and b != "100%" else "")
+                variants.append((name, b, m, True))
+                if b in next_off and m != "off":
+                    variants.append((name + " next off", b, m, False))
         loaded = {}
-        for name, budget, mode in variants:
+        for name, budget, mode, build_next in variants:
             if budget is None:
                 model, tok = load(str(path))
-                loaded[name] = (model, tok, None, None)
+                loaded[name] = (model, tok, None, None, True)
             else:
                 om = OffloadedModel.load(path, OffloadConfig(budget=budget))
-                loaded[name] = (om.model, om.tokenizer, om, mode)
-        for model, tok, om, mode in loaded.values():  # warmup: files hot, kernels built
-            decode_tps(model, tok, 8, om, mode)
-        samples = {name: [] for name, _, _ in variants}
+                loaded[name] = (om.model, om.tokenizer, om, mode, build_next)
+        for model, tok, om, mode, build_next in loaded.values():  # warmup: files hot, kernels built
+            decode_tps(model, tok, 8, om, mode, build_next)
+        samples = {name: [] for name, *_ in variants}
         io = {}
         for _ in range(args.trials):  # interleave variants so drift hits all alike
-            for name, _, _ in variants:
-                model, tok, om, mode = loaded[name]
-                tps, per = decode_tps(model, tok, args.tokens, om, mode)
+            for name, *_ in variants:
+                model, tok, om, mode, build_next = loaded[name]
+                tps, per = decode_tps(model, tok, args.tokens, om, mode, build_next)
                 samples[name].append(tps)
                 io.setdefault(name, []).append(per)
         expert_mb = None
-        for _, _, om, _ in loaded.values():
+        for _, _, om, _, _ in loaded.values():
             if om:
                 expert_mb = om.store.expert_bytes_total / 1e6
                 om.close()
@@ -140,10 +149,10 @@ def main() -> None:
              f"one-sync modes: {args.one_sync} (auto: segment repairs when misses are frequent; on: one sync + one per "
              f"repair; off: one sync per MoE layer); load average {load0:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end",
-             f"{'variant':<20}{'tok/s':>9}{'vs stock (min-max)':>24}{'CPU ms/tok':>11}{'CPU vs stock (min-max)':>26}"
+             f"{'variant':<26}{'tok/s':>9}{'vs stock (min-max)':>24}{'CPU ms/tok':>11}{'CPU vs stock (min-max)':>26}"
              f"{'misses/tok':>12}{'MB read/tok':>13}{'syncs/tok':>11}{'repairs/tok':>13}"]
     results = {}
-    for name, _, _ in variants:
+    for name, *_ in variants:
         tps = statistics.median(samples[name])
         ratios = [a / b for a, b in zip(samples[name], samples["stock"])]
         # CPU time per token (this process, all threads): work done, less sensitive to other tenants than wall time.
@@ -153,7 +162,7 @@ def main() -> None:
                          "ratio_min": min(ratios), "ratio_max": max(ratios), "ratios": ratios,
                          "cpu_ratio_vs_stock": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
                          "cpu_ratio_max": max(cpu_ratios), **per}
-        lines.append(f"{name:<20}{tps:>9.1f}{statistics.median(ratios):>10.2f} ({min(ratios):.2f}-{max(ratios):.2f}){'':>3}"
+        lines.append(f"{name:<26}{tps:>9.1f}{statistics.median(ratios):>10.2f} ({min(ratios):.2f}-{max(ratios):.2f}){'':>3}"
                      f"{per['cpu_ms_per_token']:>11.2f}{statistics.median(cpu_ratios):>12.2f} "
                      f"({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}){'':>3}"
                      f"{per['misses_per_token']:>12.2f}{per['mb_read_per_token']:>13.3f}"

@@ -117,3 +117,36 @@ def test_a_window_repairs_within_its_segments_to_the_stock_logits(family, tiny_d
         assert _idle(om)
     finally:
         om.close()
+
+
+def test_auto_carries_the_repair_rate_to_the_next_generation(tiny_dirs):
+    """A new generation starts with the segments the last one ended with (the rate lives on the model), not with
+    a repair of the whole tail; passes that never take segments neither read nor write it."""
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    try:
+        assert om.decode_repair_rate == 0.0
+        _, first = _decode(om, "auto")
+        assert om.decode_repair_rate == first.repair_rate > 0
+        second = DevicePass(om, segment="auto")
+        assert second.repair_rate == first.repair_rate and second.segment_size() is not None
+        assert DevicePass(om, segment=None).repair_rate == 0.0  # "on" and verify windows start from their own
+        _, on = _decode(om, None)
+        assert om.decode_repair_rate == first.repair_rate  # untouched by a pass without segments
+    finally:
+        om.close()
+
+
+def test_the_sync_cost_is_measured_unless_given(tiny_dirs):
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    try:
+        _, dp = _decode(om, "auto")
+        # q = a measured host sync over a decoder layer's share of the timed forwards (build to sync)
+        assert dp._forward_s is not None and dp._forward_s > 0
+        L = dp._n_layers
+        assert dp.sync_cost == pytest.approx(segment_repair.sync_seconds() / (dp._forward_s / L))
+        assert 0 < segment_repair.sync_seconds() < 0.05  # a host sync: microseconds, not a layer's compute
+        assert DevicePass(om, segment="auto", sync_cost=0.3).sync_cost == 0.3
+        with pytest.raises(ValueError, match="sync_cost"):
+            DevicePass(om, segment="auto", sync_cost=0.0)
+    finally:
+        om.close()

@@ -47,13 +47,10 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
 from runtime.decode.lookahead_pass import PassForecasts
+from runtime.decode.next_forward import NextForward
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 from runtime.decode.segment_repair import SegmentRepair
 
-# A host sync's cost in recomputed decoder layers (q of runtime/decode/segment_repair.py). On this CPU a
-# sync (~50 us) is cheap next to a layer's recompute (~1-2 ms of CPU on the synthetic 8-layer model); at
-# q = 0.05 a 25% budget (a repair in ~0.7 of the tokens) syncs after every layer, 50% every 2 layers.
-SYNC_COST = 0.05
 DEFER_FORWARDS = 16  # hit forwards whose bookkeeping flush(defer=True) books together
 
 
@@ -71,6 +68,8 @@ class PassStats:
     recomputed_layers: int = 0  # decoder layers run again by repairs
     layer_calls: int = 0  # MoE layer calls that looked up on the device
     bookkeeping_s: float = 0.0  # host time in flush() (recency, stats, observer, telemetry)
+    next_built: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
+    next_dropped: int = 0  # of those, dropped because the previous forward needed a repair
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -87,13 +86,15 @@ class _Launch:
     layers: list  # MoE layers looked up on the device in this build, in packing order
     shapes: list  # their ids' shapes
     held: frozenset
+    started: float  # perf_counter() when its build began
 
 
-class DevicePass(SegmentRepair):
+class DevicePass(SegmentRepair, NextForward):
     def __init__(self, om, max_repairs: int | None = None, segment: int | str | None = None,
-                 sync_cost: float = SYNC_COST):
+                 sync_cost: float | None = None, build_next: bool = True):
         """segment: repair within segments of S decoder layers (runtime/decode/segment_repair.py): None
-        never, "auto" when recent repairs make it pay, or S."""
+        never, "auto" when recent repairs make it pay, or S; sync_cost: q of that file (None: measured). build_next: launch_next() may build the next
+        token's forward before the pending one's sync (runtime/decode/next_forward.py)."""
         self.om = om
         self.cache = om.cache
         self.modules = om.modules
@@ -118,6 +119,7 @@ class DevicePass(SegmentRepair):
         self._loaded: dict[int, list] = {}  # layer -> [(experts read, bytes, ms)] by this forward's repairs
         self._forward_repairs = 0  # repairs inside this forward (at segment boundaries)
         self._init_segments(segment, sync_cost)
+        self._init_next(build_next)
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
@@ -158,7 +160,7 @@ class DevicePass(SegmentRepair):
         self._host, self._synced = {}, {}
         self.ahead.reset()
         self._syncs0 = self.cache.host_syncs
-        self._loaded, self._forward_repairs = {}, 0
+        self._loaded, self._forward_repairs, self._bsyncs0 = {}, 0, self.stats.boundary_syncs
         # No segments with a router lookahead attached: in a pass its forecast rides on the one sync and widens
         # the repair's reads (runtime/decode/lookahead_pass.py); prefetching ones keep synced calls anyway.
         segments = segments and not any(self.modules[l].lookahead is not None for l in self.order)
@@ -171,6 +173,7 @@ class DevicePass(SegmentRepair):
         self.stats.passes += 1
 
     def _build(self, forward, cache, n_tokens, snapshot) -> _Launch:
+        started = time.perf_counter()
         held = self.lookup_layers
         self._records, self._seg_start, self._cur = [], 0, (cache, snapshot, n_tokens, held)
         self.cache.hold(held)
@@ -190,7 +193,7 @@ class DevicePass(SegmentRepair):
         finally:
             self._records, self._cur = [], None
         self.stats.layer_calls += len(layers)
-        return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held)
+        return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held, started)
 
     @staticmethod
     def _pack(records: list) -> mx.array:
@@ -229,6 +232,8 @@ class DevicePass(SegmentRepair):
         loaded = self._loaded  # the repairs' reads, at segment boundaries and here
         try:
             missing = self._sync(launch)
+            if missing:
+                self._drop_next()  # built on this forward's output, which the repair changes
             repairs = 0
             while missing:
                 repairs += 1
@@ -236,10 +241,15 @@ class DevicePass(SegmentRepair):
                     raise RuntimeError(f"a forward still missed experts after {self.max_repairs} repairs")
                 launch = self._repair(launch, missing, loaded)
                 missing = self._sync(launch)
+        except BaseException:
+            self._drop_next()
+            raise
         finally:
             self.replay.stop()
         repairs += self._forward_repairs
         self._note_repairs(launch.n_tokens, repairs)
+        if not repairs and launch.n_tokens == 1 and self.segment == "auto":  # q's layer time (segment_repair.py)
+            self._note_forward_time(time.perf_counter() - launch.started, self.stats.boundary_syncs - self._bsyncs0)
         if self.om.forward_hooks:  # no forward is pending here: a hook's prefetches may evict
             routing = {l: h[0] for l, h in self._host.items()}
             for hook in self.om.forward_hooks:
@@ -256,13 +266,14 @@ class DevicePass(SegmentRepair):
         self._codes = None
         self._book = (self._host, self._synced, loaded, self.ahead.take(), hit)
         self._host, self._synced = {}, {}
+        self._promote_next()  # built before this sync on its output, which stands: the next pending forward
         return launch.out
 
     def settle(self) -> None:
         """Finish a launched forward nobody will read (generation stopped early), repairing it so the
         caches it wrote are right (a kept prompt cache holds its token). finish() releases the hold
-        whatever happens."""
-        if self._launch is not None:
+        whatever happens; a next forward built early is finished too."""
+        while self._launch is not None:
             self.finish()
 
     def _repair(self, launch: _Launch, missing: list[int], loaded: dict) -> _Launch:

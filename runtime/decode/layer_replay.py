@@ -92,6 +92,15 @@ class LayerReplay:
             raise RuntimeError(f"cannot replay from layer {below}: no recorded output of layers {missing}")
         self.skip_below = below
 
+    def park(self) -> tuple:
+        """The current forward's recorded state, to resume() after another forward was built (a device
+        pass builds the next token's forward before the current one's sync: runtime/decode/device_pass.py)."""
+        return self.active, self.skip_below, self.outputs, self.boundaries, self.boundary, self.calls
+
+    def resume(self, state: tuple) -> None:
+        """Make a parked forward's recorded state current again."""
+        self.active, self.skip_below, self.outputs, self.boundaries, self.boundary, self.calls = state
+
     def stop(self) -> None:
         self.active, self.skip_below, self.outputs, self.calls = False, 0, {}, {}
         self.boundaries, self.boundary = frozenset(), None

@@ -103,6 +103,8 @@ class OffloadedModel:
         self.context_governor = None  # gives back expert slots as the KV grows under the limit (None: no limit)
         self.prefill_step = DEFAULT_PREFILL_STEP  # prompt tokens per prefill chunk (smaller only when the limit needs it)
         self.lookahead = None  # the attached LookaheadPrefetch (set_lookahead), if any
+        # Plain decoding's recent repairs per forward, carried from one generation to the next (segment_repair.py)
+        self.decode_repair_rate = 0.0
         for m in modules.values():
             m.telemetry = telemetry
         # Device passes (runtime/decode/device_pass.py) recompute from a decoder layer after a miss.

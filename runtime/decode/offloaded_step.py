@@ -4,9 +4,10 @@ Same prefill (chunks of `prefill_step_size`, all prompt tokens but the last, thr
 path), same step (logits of the last position, log-softmax, sampler), same tokens; each decode
 step is a DevicePass forward: the lookups happen on the device and the host syncs once, when the
 token is read back, unless an expert was absent (then the pass repairs from the first layer that
-missed). Pipelining as mlx-lm's: forward n+1 is built and queued (mx.async_eval) before token n
-is yielded, and the host bookkeeping of token n (recency, stats, observer, telemetry) runs while
-forward n+1 computes.
+missed). Pipelining as mlx-lm's: forward n+1 is built on token n's lazy output and queued
+(mx.async_eval) before token n's sync while repairs are rare (runtime/decode/next_forward.py; else
+right after that sync), and the host bookkeeping of token n (recency, stats, observer, telemetry)
+runs while forward n+1 computes.
 
 Invariant: the yielded tokens equal generate_step's on the resident model (greedy); a forward
 is queued only after the token it consumes was accepted; when the generator stops early (closed,
@@ -74,12 +75,15 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
             # token (its routing completes the sequence's trace).
             # The first decode forward is built before token 1 is counted (a prefill's stats end there): no segment
             # repairs (reads) while it is built; its repairs come at its sync, after the yield, as without segments.
-            dp.launch(step(token), cache, 1, segments=n > 0)
+            if not dp.pending:  # else: built early on this token's lazy output, and this token stood
+                dp.launch(step(token), cache, 1, segments=n > 0)
             dp.flush(defer=n > 0)  # the first forward's record is booked before its token is counted
             yield token.item(), logprobs
             n += 1
             if n % 256 == 0:
                 mx.clear_cache()
+            if n < max_tokens:  # as generate_step: the forward after this one is queued before this one's sync
+                dp.launch_next(lambda out: step(out[0]))  # (when a repair is unlikely: runtime/decode/next_forward.py)
             token, logprobs = dp.finish()
     finally:
         dp.settle()  # stopped early (eos, close, an error): the queued forward is finished, its KV right

@@ -14,7 +14,13 @@ S is chosen per forward from the recent repair rate r (repairs per forward, aver
 the ratio q of a host sync's cost to one decoder layer's recompute: the expected cost per token,
 r * S / 2 layers recomputed + (L / S - 1) * q, is lowest at S = sqrt(2 q L / r); no segments when
 that is at least L (rare misses), nor with sliding-window caches (their repair path is DevicePass's
-own). A rerun reuses the arguments the forward passed (a window's attention mask was built once, from
+own). q is measured unless given: a host sync's price on this machine (runtime/doctor/sync_probe.py,
+probed once per process, the first time segments are considered) over a decoder layer's share of the
+recent one-token forwards' wall time (build to sync, less their boundary syncs; forwards that
+repaired are not timed); SYNC_COST until a forward was timed. On this CPU q comes out ~0.01-0.05; on
+a Mac's GPU (~180 us per sync against a few hundred us per layer) it is larger, and so is S.
+With "auto", r is carried across generations on the OffloadedModel (`decode_repair_rate`): a new
+generation starts with the segments the last one ended with, not with a full-tail repair. A rerun reuses the arguments the forward passed (a window's attention mask was built once, from
 the caches as they were before the forward), so a window repairs within its segment too, where
 DevicePass's own repair of a window recomputes it from the first layer.
 
@@ -26,7 +32,9 @@ layer's output goes on into the model only when every expert it read was residen
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -35,20 +43,52 @@ from mlx_lm.models.cache import RotatingKVCache
 from runtime.decode.rollback import roll_back
 
 RATE_DECAY = 0.9  # weight of the past in the repair-rate average (about the last 10 forwards)
+SYNC_COST = 0.05  # q before a forward was timed (a sync ~50 us against ~1-2 ms per layer on this CPU)
+
+
+@functools.lru_cache(maxsize=1)
+def sync_seconds() -> float:
+    """One host sync's price on this machine, measured once per process (a few ms)."""
+    from runtime.doctor.sync_probe import host_sync_us
+
+    return host_sync_us(steps=16, rounds=5)["sync_us"] * 1e-6
 
 
 class SegmentRepair:
     """Mixin of DevicePass: uses its cache, replay, index, records, stats and _parse()."""
 
-    def _init_segments(self, segment, sync_cost: float) -> None:
+    def _init_segments(self, segment, sync_cost: float | None) -> None:
         if segment not in (None, "auto") and (not isinstance(segment, int) or segment < 1):
             raise ValueError(f"segment={segment!r}; expected None, 'auto' or a number of layers >= 1")
+        if sync_cost is not None and not sync_cost > 0:
+            raise ValueError(f"sync_cost={sync_cost!r}; expected a positive number of layer recomputes, or None")
         self.segment = segment  # None: never; "auto": from the repair rate; S: every S decoder layers
-        self.sync_cost = sync_cost  # q: a host sync's cost in decoder-layer recomputes
-        self.repair_rate = 0.0
+        self._sync_cost = sync_cost  # q if given, else measured (the sync_cost property)
+        self._bsyncs0 = 0  # boundary syncs before the pending forward
+        self._forward_s = None  # average wall time of a one-token forward that did not repair (build to sync)
+        # "auto" carries the rate across generations (plain decoding's passes; verify windows never take segments)
+        self.repair_rate = getattr(self.om, "decode_repair_rate", 0.0) if segment == "auto" else 0.0
         self._n_layers = max(self.index.values()) + 1 if self.index else 0  # through the last MoE layer
         self._seg_start = 0  # first record of the open segment
         self._cur = None  # (cache, snapshot, n_tokens, held) of the forward being built
+
+    @property
+    def sync_cost(self) -> float:
+        """q: a host sync's cost in decoder-layer recomputes (given, or measured: see the module docstring)."""
+        if self._sync_cost is not None:
+            return self._sync_cost
+        if self._forward_s is None:
+            return SYNC_COST
+        return sync_seconds() / max(self._forward_s / max(1, self._n_layers), 1e-6)
+
+    def _note_forward_time(self, seconds: float, boundary_syncs: int) -> None:
+        """A one-token forward that needed no repair took `seconds` from its build to its sync."""
+        if self._sync_cost is not None:
+            return
+        compute = seconds - boundary_syncs * sync_seconds() if boundary_syncs else seconds
+        if compute > 0:
+            self._forward_s = compute if self._forward_s is None else \
+                RATE_DECAY * self._forward_s + (1 - RATE_DECAY) * compute
 
     def segment_size(self) -> int | None:
         """S for the next one-token forward (None: no boundaries)."""
@@ -67,6 +107,8 @@ class SegmentRepair:
 
     def _note_repairs(self, n_tokens: int, repairs: int) -> None:
         self.repair_rate = RATE_DECAY * self.repair_rate + (1 - RATE_DECAY) * repairs
+        if self.segment == "auto":
+            self.om.decode_repair_rate = self.repair_rate
 
     def _boundary(self, i: int, out: mx.array) -> mx.array:
         """Called by the replay after decoder layer i (a segment's last): sync the segment, repair it."""

@@ -1,0 +1,97 @@
+"""NextForward: build token n+1's forward on token n's lazy output, before n's sync (DevicePass mixin).
+
+mlx-lm's generate_step builds and queues the next forward before it reads the current token back,
+so the host's graph building overlaps the device's compute and the device never waits for Python.
+A device pass can do the same only if forward n will be accepted as it is: a repair of n changes
+its output, and the next forward, built on the old one, is then wrong. So `launch_next()` builds
+forward n+1 (mx.async_eval, no sync) only when a repair is unlikely -- the recent repair rate is
+under NEXT_MAX_REPAIR_RATE and no segments would be cut -- and `finish()` of forward n either
+promotes it to the pending forward (n was accepted) or drops it (n needed a repair): its slots'
+hold is released and the one position it wrote is rolled back in every cache (trim, or the
+snapshot of the untrimmable state taken before it was built), before n is repaired.
+
+A dropped forward's graph may still be computing while the repair reads experts into slots it
+reads: its output is garbage and never used, and every cache write it made sits at the position
+the rebuilt forward n+1 writes again (later graphs take its arrays as inputs, so MLX orders them).
+
+Only for passes whose forwards make no host sync but the last and whose bookkeeping never evicts
+between two syncs: every MoE layer looks up on the device (no synced or prefetching layer), no
+router lookahead, no forward hooks (their prefetches may evict, which needs no pending graph), one
+token per forward. The replay's record of forward n is parked while n+1 is built and made current
+again after, so n's repair still skips the layers before its first miss.
+
+Invariants: at most one next forward; it exists only between launch_next() and the pending
+forward's finish(); it holds its layers from its build to its own sync (or its drop); dropping it
+leaves every cache as forward n left it; with no repair, the tokens and every counter are those of
+building forward n+1 after n's sync.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from runtime.decode.rollback import roll_back, snapshot_untrimmable
+
+# Repairs per forward (averaged, runtime/decode/segment_repair.py's repair_rate) above which the next
+# forward is not built early. A dropped forward costs its whole compute, a kept one saves the host's
+# build time (~1 ms of ~12 on this CPU's synthetic 8-layer model; less on a Mac's GPU): it pays while
+# repairs are rarer than about build / (build + compute).
+NEXT_MAX_REPAIR_RATE = 0.05
+
+
+class NextForward:
+    """Mixin of DevicePass: uses its _launch, _build, replay, cache, modules, stats and _boundaries()."""
+
+    def _init_next(self, enabled: bool) -> None:
+        self.build_next = enabled
+        self._next = None  # (_Launch, parked replay state) of the forward built before the pending one's sync
+
+    @property
+    def pending(self) -> bool:
+        """Whether a forward is launched and not finished (after finish(): the promoted next forward)."""
+        return self._launch is not None
+
+    def can_launch_next(self) -> bool:
+        launch = self._launch
+        return (self.build_next and launch is not None and self._next is None and launch.n_tokens == 1
+                and self.repair_rate <= NEXT_MAX_REPAIR_RATE and not self.om.forward_hooks
+                and len(launch.layers) == len(self.order) and not self._boundaries(launch.cache, 1)
+                and all(self.modules[l].lookahead is None for l in self.order))
+
+    def launch_next(self, make_forward: Callable[[object], Callable]) -> bool:
+        """Build make_forward(pending output) -- the next one-token forward, on the pending forward's lazy
+        output -- and queue it, if a repair is unlikely (see the module docstring). Returns whether it did."""
+        if not self.can_launch_next():
+            return False
+        launch = self._launch
+        parked = self.replay.park()
+        self.replay.start()
+        try:
+            built = self._build(make_forward(launch.out), launch.cache, 1, snapshot_untrimmable(launch.cache))
+            self._next = (built, self.replay.park())
+        finally:
+            self.replay.resume(parked)
+        self.stats.next_built += 1
+        return True
+
+    def _drop_next(self) -> None:
+        """The pending forward needs a repair (or failed): the next one, built on its output, is wrong."""
+        if self._next is None:
+            return
+        built, _ = self._next
+        self._next = None
+        self.cache.release(built.held)
+        roll_back(built.cache, built.snapshot, built.n_tokens)
+        self.stats.next_dropped += 1
+
+    def _promote_next(self) -> None:
+        """The pending forward was accepted: the next one is now the pending forward."""
+        if self._next is None:
+            return
+        built, state = self._next
+        self._next = None
+        self._launch = built
+        self.replay.resume(state)
+        self._syncs0 = self.cache.host_syncs
+        self._loaded, self._forward_repairs, self._bsyncs0 = {}, 0, self.stats.boundary_syncs
+        self.stats.passes += 1

@@ -1,0 +1,118 @@
+"""Building the next forward before the current one's sync (runtime/decode/next_forward.py): at a full
+budget every decode forward after the first is built on the previous token's lazy output (mlx-lm's
+pipelining) with one host sync per token; when the previous forward needs a repair the early forward is
+dropped, its cache writes rolled back (KV trimmed, GatedDeltaNet and sliding-window state restored), and
+the tokens still equal stock's."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+import runtime.decode.next_forward as next_forward
+from runtime.decode import offloaded_generate_step
+from runtime.decode.device_pass import DevicePass
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.warm import warm_start
+from tests.conftest import PROMPT, greedy_ids
+
+N = 20
+
+
+def _decode(om, segment=None, build_next=True, n=N):
+    warm_start(om)
+    dp = DevicePass(om, segment=segment, build_next=build_next)
+    gen = offloaded_generate_step(om, mx.array(om.tokenizer.encode(PROMPT)), max_tokens=n,
+                                  sampler=lambda x: mx.argmax(x, axis=-1), device_pass=dp,
+                                  after_prefill=om.cache.settle_inflight)
+    return [t for t, _ in gen], dp
+
+
+def _idle(om) -> bool:
+    return (all((ls.pins == 0).all() and ls.held == 0 for ls in om.cache.table.layers.values())
+            and all(m.device is None for m in om.modules.values()))
+
+
+def _expected(tiny_dirs, family, om):
+    return greedy_ids(load(str(tiny_dirs[family]))[0], om.tokenizer.encode(PROMPT), N)
+
+
+def test_at_a_full_budget_every_forward_is_built_before_the_previous_sync(tiny_dirs):
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
+    try:
+        tokens, dp = _decode(om, segment="auto")
+        assert tokens == _expected(tiny_dirs, "qwen3_moe", om)
+        st = dp.stats
+        # Forwards: the prompt's last token, then one per token (the last one after the last yield too); all
+        # but the prompt's and the first decode forward were built early, none dropped.
+        assert st.passes == N + 1 and st.next_built == N - 1 and st.next_dropped == 0
+        assert st.host_syncs == st.passes and st.repairs == 0  # one host sync per token
+        assert _idle(om)
+    finally:
+        om.close()
+
+
+def test_off_builds_after_the_sync_with_the_same_tokens(tiny_dirs):
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
+    try:
+        tokens, dp = _decode(om, build_next=False)
+        assert tokens == _expected(tiny_dirs, "qwen3_moe", om) and dp.stats.next_built == 0
+    finally:
+        om.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])
+def test_a_dropped_next_forward_leaves_the_caches_right(family, tiny_dirs, monkeypatch):
+    """Built even while repairs are frequent (the rate gate lifted): every repaired forward drops the next one,
+    whose KV (trimmed), GatedDeltaNet state (qwen3_next) or full sliding window (gpt_oss, window 8 of a
+    longer sequence: restored from the snapshot) must come back as the repaired forward left them."""
+    monkeypatch.setattr(next_forward, "NEXT_MAX_REPAIR_RATE", math.inf)
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="25%"))
+    try:
+        tokens, dp = _decode(om)
+        assert tokens == _expected(tiny_dirs, family, om)
+        st = dp.stats
+        assert st.next_dropped > 0  # the early forward was dropped (and the tokens stayed right)
+        assert st.host_syncs == st.passes + st.repairs  # a dropped forward made no sync
+        assert _idle(om)
+    finally:
+        om.close()
+
+
+def test_a_dropped_forward_without_its_rollback_is_caught(tiny_dirs, monkeypatch):
+    """The test above can fail: keep the dropped forward's cache writes and the tokens differ (or the run breaks)."""
+    monkeypatch.setattr(next_forward, "NEXT_MAX_REPAIR_RATE", math.inf)
+    monkeypatch.setattr(next_forward, "roll_back", lambda *a, **k: None)
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    try:
+        expected = _expected(tiny_dirs, "qwen3_moe", om)
+        try:
+            tokens, dp = _decode(om)
+        except Exception:
+            return
+        assert dp.stats.next_dropped > 0
+        assert tokens != expected
+    finally:
+        om.close()
+
+
+def test_not_built_while_repairs_are_frequent_or_hooks_may_evict(tiny_dirs):
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    try:
+        tokens, dp = _decode(om, segment="auto")
+        assert tokens == _expected(tiny_dirs, "qwen3_moe", om)
+        # The first repairs lift the rate over the gate; only forwards before them may have been built early.
+        assert dp.stats.repairs > 0 and dp.repair_rate > next_forward.NEXT_MAX_REPAIR_RATE
+        assert dp.stats.next_built < N // 2
+    finally:
+        om.close()
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
+    try:
+        om.forward_hooks.append(lambda routing: None)  # a forecaster's hook may evict: no pending graph allowed
+        tokens, dp = _decode(om)
+        assert dp.stats.next_built == 0 and tokens == _expected(tiny_dirs, "qwen3_moe", om)
+    finally:
+        om.close()
