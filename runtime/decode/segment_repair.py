@@ -49,7 +49,7 @@ SYNC_COST = 0.05  # q before a forward was timed (a sync ~50 us against ~1-2 ms 
 @functools.lru_cache(maxsize=1)
 def sync_seconds() -> float:
     """One host sync's price on this machine, measured once per process (a few ms)."""
-    from runtime.doctor.sync_probe import host_sync_us
+    from runtime.doctor import host_sync_us  # the doctor's probe (imported here: the doctor imports decode)
 
     return host_sync_us(steps=16, rounds=5)["sync_us"] * 1e-6
 
