@@ -12,7 +12,7 @@ that missed are kept (their outputs, KV and state are right), every expert flagg
 the forward is read at once (parallel reads), the caches of the layers from the first missing
 one are rolled back (trim, or restore GatedDeltaNet/rotating state from the snapshot taken at
 launch) and the forward is rebuilt from that layer (LayerReplay returns the kept layers'
-outputs). Each repair moves the first missing layer strictly later (a repaired layer sees the
+outputs; a window's layers are called with the arguments, e.g. the mask, of the first build). Each repair moves the first missing layer strictly later (a repaired layer sees the
 same input, hence routes to the same, now resident, experts), so there are at most one per
 MoE layer.
 
@@ -279,9 +279,9 @@ class DevicePass(SegmentRepair, NextForward):
     def _repair(self, launch: _Launch, missing: list[int], loaded: dict) -> _Launch:
         self.flush()  # the previous forward's recency first: it decides what is evicted
         first = missing_at = min(self.index[l] for l in missing)
-        if launch.n_tokens > 1 or any(isinstance(c, RotatingKVCache) for c in launch.cache):
-            # A window's attention mask, and a sliding-window mask at any length, are built from the first
-            # cache's offset, which a kept layer has already advanced: recompute every layer then.
+        if any(isinstance(c, RotatingKVCache) for c in launch.cache):
+            # A sliding-window mask is built from the first cache's offset, which a kept layer has already
+            # advanced, and a rotating cache's repair restores it whole: recompute every layer then.
             first = 0
         needs = {l: np.unique(self._host[l][0]) for l in missing}
         needs = self.ahead.extend(needs, missing_at, self.cache.usable_now())  # forecasts from right inputs
@@ -294,7 +294,9 @@ class DevicePass(SegmentRepair, NextForward):
             del self._host[l]
         for l in [l for l in self._synced if self.index[l] >= first]:
             del self._synced[l]
-        self.replay.skip(first)
+        # A window's mask is built from the first cache's offset too: its layers from `first` on are called
+        # with the arguments the first build passed them (runtime/decode/layer_replay.py).
+        self.replay.skip(first, same_args=launch.n_tokens > 1)
         self.stats.recomputed_layers += len(launch.cache) - first
         return self._build(launch.forward, launch.cache, launch.n_tokens, launch.snapshot)
 

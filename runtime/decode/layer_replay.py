@@ -13,10 +13,17 @@ each running layer also records its call (input, arguments), and after a layer w
 `boundaries` the controller's `boundary(i, out)` is called; what it returns is the layer's output.
 It may rerun(j, x) recorded layers (their caches rolled back first) to recompute a segment.
 
+Windows (a verify of several tokens): the model builds a window's attention mask from the first
+cache's offset, which a kept layer has already advanced when the forward is rebuilt. Each running
+layer records the arguments it was called with (the mask, its cache: no activations), and after
+skip(below, same_args=True) the layers at or above `below` are called with the arguments the
+first run passed them, so a window repairs from its first missing layer as it would from layer 0.
+
 Invariants: a skipped layer returns exactly the array its previous run produced and writes no
-cache; layers at or above `skip_below` run normally and record their new output; the model's
-own code (embedding, masks, final norm, head) runs unchanged; rerun(j, x) calls layer j exactly as
-the forward did (same arguments, its own class's call) on input x and records its output.
+cache; layers at or above `skip_below` run normally and record their new output (with same_args,
+called with the arguments of the run that recorded them); the model's own code (embedding, masks,
+final norm, head) runs unchanged; rerun(j, x) calls layer j exactly as the forward did (same
+arguments, its own class's call) on input x and records its output.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ def _replay_class(cls: type) -> type:
         i = self._replay_index
         if i < ctl.skip_below:
             return ctl.outputs[i]
+        if ctl.same_args:
+            args, kwargs = ctl.args[i]
+        else:
+            ctl.args[i] = (args, kwargs)
         out = cls.__call__(self, x, *args, **kwargs)
         ctl.outputs[i] = out
         if ctl.boundaries:
@@ -59,6 +70,8 @@ class LayerReplay:
         self.boundaries: frozenset = frozenset()  # layer indices after which boundary(i, out) is called
         self.boundary = None
         self.calls: dict[int, tuple] = {}  # layer index -> (call, layer, input, args, kwargs), while boundaries
+        self.args: dict[int, tuple] = {}  # layer index -> (args, kwargs) of its first call in this pass
+        self.same_args = False  # layers at or above skip_below reuse self.args (a window's repair)
         # No reference back to the layers (they reference this controller): no cycle keeps a closed
         # model's memory alive until the garbage collector runs.
         for i, layer in enumerate(layers):
@@ -70,6 +83,7 @@ class LayerReplay:
         """Record every layer's output from the next forward on (nothing skipped); call boundary(i, out)
         after each layer i in `boundaries`."""
         self.active, self.skip_below, self.outputs, self.calls = True, 0, {}, {}
+        self.args, self.same_args = {}, False
         self.boundaries, self.boundary = boundaries, boundary
 
     def input_of(self, i: int):
@@ -85,12 +99,16 @@ class LayerReplay:
         self.calls[i] = (call, layer, x, args, kwargs)
         return out
 
-    def skip(self, below: int) -> None:
-        """The next forward reuses the recorded outputs of layers [0, below)."""
+    def skip(self, below: int, same_args: bool = False) -> None:
+        """The next forward reuses the recorded outputs of layers [0, below); with `same_args`, its layers
+        from `below` on are called with the arguments the first run passed them (not the rebuilt forward's)."""
         missing = [i for i in range(below) if i not in self.outputs]
         if missing:
             raise RuntimeError(f"cannot replay from layer {below}: no recorded output of layers {missing}")
+        if same_args and any(i not in self.args for i in self.outputs if i >= below):
+            raise RuntimeError(f"cannot replay from layer {below} with the same arguments: none recorded")
         self.skip_below = below
+        self.same_args = same_args
 
     def park(self) -> tuple:
         """The current forward's recorded state, to resume() after another forward was built (a device
@@ -103,6 +121,7 @@ class LayerReplay:
 
     def stop(self) -> None:
         self.active, self.skip_below, self.outputs, self.calls = False, 0, {}, {}
+        self.args, self.same_args = {}, False
         self.boundaries, self.boundary = frozenset(), None
 
     @staticmethod
