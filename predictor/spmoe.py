@@ -62,14 +62,20 @@ class SpmoePredictor:
         if new:
             self._probs += list(np.array(self._route(new, layers)).swapaxes(0, 1))  # one host read; per token (layers, E)
         all_probs = np.stack(self._probs, axis=1)  # (layers, T, E)
+        n_layers, _, n_experts = all_probs.shape
+        k = min(self.top_k, n_experts)
+        # Every layer at once: each token's top-k' (L, T, k'), their union as a mask (L, E), ranked by the
+        # summed probability over the window's tokens; ties by expert id (a stable sort of the ids).
+        top = np.argpartition(-all_probs, k - 1, axis=-1)[..., :k]
+        member = np.zeros((n_layers, n_experts), bool)
+        member[np.arange(n_layers)[:, None, None], top] = True
+        score = all_probs.sum(axis=1)  # (L, E)
+        order = np.argsort(np.where(member, -score, np.inf), axis=-1, kind="stable")
+        counts = member.sum(axis=-1).tolist()
         out = {}
-        k = min(self.top_k, all_probs.shape[-1])
-        for l, p in zip(layers, all_probs):
-            top = np.argpartition(-p, k - 1, axis=-1)[:, :k]  # (T, k')
-            union = np.unique(top)
-            score = p[:, union].sum(axis=0)
-            order = np.argsort(-score, kind="stable")[: self.limit]
-            out[l] = LayerForecast(l, union[order].astype(np.int64), score[order])
+        for i, (l, n) in enumerate(zip(layers, counts)):
+            experts = order[i, : n if self.limit is None else min(n, self.limit)]
+            out[l] = LayerForecast(l, experts.astype(np.int64), score[i, experts])
         return ExpertForecast(out)
 
     def _route(self, new: list[dict], layers: list[int]) -> mx.array:

@@ -60,3 +60,40 @@ def test_router_bank_matches_the_layer_modules(tmp_path):
                 assert (np.argsort(-got[i], axis=-1)[:, :4] == np.argsort(-want, axis=-1)[:, :4]).mean() > 0.99
     finally:
         om.close()
+
+
+def _reference_forecast(probs: np.ndarray, top_k: int, limit):
+    """The per-layer ranking spmoe made before it was vectorized: union of each token's top-k', by summed
+    probability, ties by expert id."""
+    out = []
+    for p in probs:  # (T, E)
+        k = min(top_k, p.shape[-1])
+        union = np.unique(np.argpartition(-p, k - 1, axis=-1)[:, :k])
+        score = p[:, union].sum(axis=0)
+        order = np.argsort(-score, kind="stable")[:limit]
+        out.append((union[order], score[order]))
+    return out
+
+
+def test_vectorized_ranking_equals_the_per_layer_union():
+    import mlx.core as mx
+
+    from predictor.base import DraftTaps
+    from predictor.spmoe import SpmoePredictor
+
+    rng = np.random.default_rng(3)
+    layers = [0, 2, 3, 5]
+    for top_k, limit in ((4, None), (6, None), (4, 5), (64, 7)):
+        # Probabilities rounded to a few levels: ties between experts are common (ranked by id then).
+        probs = np.round(rng.dirichlet(np.ones(64) * 0.3, size=(len(layers), 4)) * 8) / 8
+        probs = probs.astype(np.float32)
+        pred = SpmoePredictor({l: None for l in layers}, {l: 0 for l in layers}, top_k, limit=limit)
+        taps = DraftTaps()
+        for t in range(probs.shape[1]):
+            taps.residual.append({0: None})
+            pred._route = lambda new, ls, t=t: mx.array(probs[:, t : t + len(new)])  # noqa: E731
+            got = pred.forecast(taps, layers)
+            want = _reference_forecast(probs[:, : t + 1], top_k, limit)
+            for l, (experts, scores) in zip(layers, want):
+                np.testing.assert_array_equal(got.experts(l), experts)
+                np.testing.assert_array_equal(got.layers[l].scores, scores)

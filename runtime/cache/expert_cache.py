@@ -258,40 +258,48 @@ class ExpertCache(ResidentTables):
         key from eviction until unprotect(layer). Returns the bytes queued."""
         queued = 0
         with self._lock:
-            # Resident keys first (stable: order kept otherwise): reading an absent one must not evict them.
-            keys = sorted(keys, key=lambda k: bool(self.table.layers[k.layer].expert_to_slot[k.expert] < 0))
+            # Resident keys first, pinned together per layer: reading an absent one must not evict them.
+            absent, resident = [], {}
             for key in keys:
                 if key in self._protected:
                     continue
-                ls = self.table.layers[key.layer]
-                slot = int(ls.expert_to_slot[key.expert])
+                slot = int(self.table.layers[key.layer].expert_to_slot[key.expert])
                 if slot < 0:
-                    nbytes = self.layouts[key.layer].expert_bytes
-                    if max_bytes is not None and queued + nbytes > max_bytes:
-                        continue
-                    slot = self.table.reserve(key, prefetch=True)
-                    if slot is None:
-                        continue  # every slot of the layer is in use: skip, demand will load it
-                    try:
-                        ticket = self._submit(key, slot, priority=PREFETCH + key.layer, round_id=round_id)
-                    except BaseException:
-                        self.table.abort(key)  # never leave a slot loading with no read to fill it
-                        raise
-                    self._prefetch_tickets[key] = ticket
-                    self.table.pin(key.layer, [slot])
-                    self._protected[key] = slot
-                    queued += nbytes
+                    absent.append(key)
                 else:
-                    self.table.pin(key.layer, [slot])
+                    resident.setdefault(key.layer, []).append(slot)
                     self._protected[key] = slot
+            for layer, slots in resident.items():
+                self.table.pin(layer, slots)
+            for key in absent:  # in the order given (earlier layers first)
+                if key in self._protected:
+                    continue  # listed twice
+                nbytes = self.layouts[key.layer].expert_bytes
+                if max_bytes is not None and queued + nbytes > max_bytes:
+                    continue
+                slot = self.table.reserve(key, prefetch=True)
+                if slot is None:
+                    continue  # every slot of the layer is in use: skip, demand will load it
+                try:
+                    ticket = self._submit(key, slot, priority=PREFETCH + key.layer, round_id=round_id)
+                except BaseException:
+                    self.table.abort(key)  # never leave a slot loading with no read to fill it
+                    raise
+                self._prefetch_tickets[key] = ticket
+                self.table.pin(key.layer, [slot])
+                self._protected[key] = slot
+                queued += nbytes
         return queued
 
     def unprotect(self, layer: int | None = None) -> None:
         """End the protection of forecast experts of `layer` (all layers if None)."""
         with self._lock:
+            slots: dict[int, list] = {}
             for key in [k for k in self._protected if layer is None or k.layer == layer]:
-                self.table.unpin(key.layer, [self._protected.pop(key)])
-                self._settle_beyond(key.layer)
+                slots.setdefault(key.layer, []).append(self._protected.pop(key))
+            for l, held in slots.items():  # one unpin per layer
+                self.table.unpin(l, held)
+                self._settle_beyond(l)
 
     def ensure(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, CallStats]:
         """Make `experts` (unique ids) valid in `layer`; returns their slots, pinned, and what it took.

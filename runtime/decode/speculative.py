@@ -157,6 +157,7 @@ class SpeculativeDecoder:
         self._round = 0
         self._forecast = ExpertForecast.empty()
         self._queued: set[ExpertKey] = set()
+        self._queued_ids: dict[int, set[int]] = {}  # the same, per layer: expert ids
         self._round_bytes = 0
         # No segment repairs for verify windows: a window the forecast covered syncs once (segments would cut
         # every window once a few repairs raised the rate; runtime/decode/segment_repair.py).
@@ -168,8 +169,13 @@ class SpeculativeDecoder:
         if not self.forecast_layers:
             return
         self._forecast = self.predictor.forecast(taps, self.forecast_layers)
-        keys = [ExpertKey(l, int(e)) for l in self.prefetch_layers for e in self._forecast.experts(l)]
-        new = [k for k in keys if k not in self._queued]
+        new = []  # keys not queued earlier this round (a forecast mostly grows by a few experts per step)
+        for l in self.prefetch_layers:
+            queued = self._queued_ids.setdefault(l, set())
+            for e in self._forecast.experts(l).tolist():
+                if e not in queued:
+                    queued.add(e)
+                    new.append(ExpertKey(l, e))
         if not new:
             return
         self._queued.update(new)
@@ -180,7 +186,7 @@ class SpeculativeDecoder:
 
     def _draft(self, k: int):
         t0 = time.perf_counter()
-        self._forecast, self._queued, self._round_bytes = ExpertForecast.empty(), set(), 0
+        self._forecast, self._queued, self._queued_ids, self._round_bytes = ExpertForecast.empty(), set(), {}, 0
         if k == 0:  # a plain round: no drafter work, no forecast
             return DraftResult([], None, DraftTaps())
         draft = self.drafter.propose(k, sampling=self.cfg.sampling, rng=self.rng,
