@@ -62,14 +62,16 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                     "mb": stats.mb_read_per_token * n, "syncs_per_token": stats.host_syncs_per_token,
                     "repairs_per_token": stats.repairs_per_token}
         dmodel, dconfig = load_drafter(draft, om)
+        predictor, _, k = variant.partition("@")  # spmoe@6: spmoe taking 6 experts per window token
         cpu0 = time.process_time()  # loading the drafter is not decoding
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
-                                           predictor=variant, cutoff=args.cutoff, draft_model=dmodel,
+                                           predictor=predictor, cutoff=args.cutoff, draft_model=dmodel,
                                            draft_config=dconfig, one_sync=args.one_sync,
-                                           forecast_k=args.forecast_k, forecast_limit=args.forecast_limit,
+                                           forecast_k=int(k) if k else args.forecast_k,
+                                           forecast_limit=args.forecast_limit,
                                            adaptive_k=not args.fixed_k)
         # the oracle's CPU time includes its recording run (run_speculative records, then decodes): not comparable
-        cpu_ms_per_token = None if variant == "oracle" else (time.process_time() - cpu0) * 1e3 / stats.n_tokens
+        cpu_ms_per_token = None if predictor == "oracle" else (time.process_time() - cpu0) * 1e3 / stats.n_tokens
         c = stats.counters
         forecast = sum(s.forecast for l, s in stats.per_layer.items() if l in layers)
         return {"tokens_per_s": stats.n_tokens / stats.decode_s, "tokens": stats.n_tokens, "misses": c["misses"],
@@ -133,7 +135,8 @@ def main() -> None:
                     help="experts forecast per layer per round at most (default 2k)")
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (more: steadier medians)")
     ap.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="one prompt per line (default: bench/prompts.txt)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
+                    + "; a predictor may carry its experts per window token: spmoe@6 (else --forecast-k)")
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
                          "results are then labelled emulated)")
