@@ -246,12 +246,15 @@ class DevicePass(SegmentRepair, NextForward):
             raise
         finally:
             self.replay.stop()
+        for layer in self._synced:  # evaluated by the sync: their slots need no pin any more
+            self.modules[layer].release_pending()
         repairs += self._forward_repairs
         self._note_repairs(launch.n_tokens, repairs)
         if not repairs and launch.n_tokens == 1 and self.segment == "auto":  # q's layer time (segment_repair.py)
             self._note_forward_time(time.perf_counter() - launch.started, self.stats.boundary_syncs - self._bsyncs0)
         if self.om.forward_hooks:  # no forward is pending here: a hook's prefetches may evict
             routing = {l: h[0] for l, h in self._host.items()}
+            routing.update((l, ids) for l, (ids, _) in self._synced.items())  # layers that took the synced path
             for hook in self.om.forward_hooks:
                 hook(routing)
         syncs = self.cache.host_syncs - self._syncs0  # 1 + repairs + synced layer calls
