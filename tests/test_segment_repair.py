@@ -65,11 +65,16 @@ def test_auto_segments_only_while_repairs_are_frequent(tiny_dirs):
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
     try:
         ids = om.tokenizer.encode(PROMPT)
-        tokens, dp = _decode(om, "auto")
+        # q = 1 (a sync costs a layer, as on a Mac with small layers): S >= 2, segments rather than routed forwards
+        warm_start(om)
+        dp = DevicePass(om, segment="auto", sync_cost=1.0)
+        gen = offloaded_generate_step(om, mx.array(ids), max_tokens=N, sampler=lambda x: mx.argmax(x, axis=-1),
+                                      device_pass=dp, after_prefill=om.cache.settle_inflight)
+        tokens = [t for t, _ in gen]
         assert tokens == greedy_ids(load(str(tiny_dirs["qwen3_moe"]))[0], ids, N)
         assert dp.repair_rate > 0 and dp.segment_size() is not None and dp.stats.boundary_syncs > 0
         q, L, r = dp.sync_cost, len(om.model.layers), dp.repair_rate
-        assert dp.segment_size() == max(1, round((2 * q * L / r) ** 0.5))
+        assert dp.segment_size() == max(1, round((2 * q * L / r) ** 0.5)) >= 2 and dp.stats.routed == 0
     finally:
         om.close()
 
@@ -148,5 +153,42 @@ def test_the_sync_cost_is_measured_unless_given(tiny_dirs):
         assert DevicePass(om, segment="auto", sync_cost=0.3).sync_cost == 0.3
         with pytest.raises(ValueError, match="sync_cost"):
             DevicePass(om, segment="auto", sync_cost=0.0)
+    finally:
+        om.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])
+def test_at_s_1_auto_routes_each_layer_before_its_experts(family, tiny_dirs):
+    """With q measured here (a sync ~1-5% of a layer) misses at 25% make S = 1: forwards then sync each layer's
+    lookup codes before its experts run (runtime/decode/route_sync.py), read what is absent and run the layer
+    once: lossless, no repair in a routed forward, and the rate (layers that read) keeps them routed."""
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="25%"))
+    try:
+        ids = om.tokenizer.encode(PROMPT)
+        tokens, dp = _decode(om, "auto")
+        assert tokens == greedy_ids(load(str(tiny_dirs[family]))[0], ids, N)
+        st, n_moe = dp.stats, len(om.modules)
+        assert dp.segment_size() == 1 and st.routed >= N // 2 and st.route_reads > 0
+        assert st.route_syncs == st.routed * n_moe  # one per MoE layer of each routed forward
+        # Repairs only in the forwards before the rate reached S = 1, at most one per MoE layer each.
+        assert st.repairs <= (st.passes - st.routed) * n_moe
+        assert _idle(om)
+    finally:
+        om.close()
+
+
+def test_a_routed_layer_that_does_not_look_up_again_is_caught(tiny_dirs, monkeypatch):
+    """The test above can fail: a route() that reads but lets the layer run on its old codes leaves the
+    forward to find the miss at its sync (repairs in routed forwards)."""
+    from runtime.decode.route_sync import RouteSync
+
+    real = RouteSync.route
+    monkeypatch.setattr(RouteSync, "route", lambda self, layer, indices, codes: real(self, layer, indices, codes)
+                        and False)
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    try:
+        tokens, dp = _decode(om, "auto")
+        st = dp.stats
+        assert st.routed > 0 and st.repairs > (st.passes - st.routed) * len(om.modules)
     finally:
         om.close()

@@ -110,9 +110,12 @@ class CachedSwitchGLU(nn.Module):
         """The device pass building a forward now (cache.active_pass), or None: one switch for all layers."""
         return self.cache.active_pass
 
-    def lookup(self, x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
-        """The call with slots looked up on the device: (output, codes: slot, or n_slots + expert if absent)."""
+    def lookup(self, x: mx.array, indices: mx.array, device=None) -> tuple[mx.array, mx.array]:
+        """The call with slots looked up on the device: (output, codes: slot, or n_slots + expert if absent).
+        A routed pass (runtime/decode/route_sync.py) syncs the codes first and reads absent experts."""
         codes = self._table[indices]
+        if device is not None and self.layer in device.route_layers and device.route(self.layer, indices, codes):
+            codes = self._table[indices]  # its absent experts were read: look up again
         safe = mx.minimum(codes, self._last_slot)  # absent: any slot; the pass recomputes then
         if indices.size > indices.shape[-1]:  # a window of several tokens
             return window_switch_glu(self._switch, x, safe), codes
@@ -123,7 +126,7 @@ class CachedSwitchGLU(nn.Module):
             self.release_pending()
         device = self.cache.active_pass
         if device is not None and self.layer in device.lookup_layers:
-            out, slots = self.lookup(x, indices)
+            out, slots = self.lookup(x, indices, device)
             device.record(self.layer, indices, slots)
             if self.lookahead is not None:
                 device.record_ahead(self.layer, self.lookahead, self.lookahead.start(self.layer, x))

@@ -48,6 +48,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from runtime.decode.lookahead_pass import PassForecasts
 from runtime.decode.next_forward import NextForward
+from runtime.decode.route_sync import RouteSync
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 from runtime.decode.segment_repair import SegmentRepair
 
@@ -70,6 +71,9 @@ class PassStats:
     bookkeeping_s: float = 0.0  # host time in flush() (recency, stats, observer, telemetry)
     next_built: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
     next_dropped: int = 0  # of those, dropped because the previous forward needed a repair
+    routed: int = 0  # forwards whose layers synced their routing before their experts (route_sync.py)
+    route_syncs: int = 0  # host syncs those made (one per MoE layer)
+    route_reads: int = 0  # experts they read before the layer that needed them ran
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -89,7 +93,7 @@ class _Launch:
     started: float  # perf_counter() when its build began
 
 
-class DevicePass(SegmentRepair, NextForward):
+class DevicePass(SegmentRepair, NextForward, RouteSync):
     def __init__(self, om, max_repairs: int | None = None, segment: int | str | None = None,
                  sync_cost: float | None = None, build_next: bool = True):
         """segment: repair within segments of S decoder layers (runtime/decode/segment_repair.py): None
@@ -120,6 +124,7 @@ class DevicePass(SegmentRepair, NextForward):
         self._forward_repairs = 0  # repairs inside this forward (at segment boundaries)
         self._init_segments(segment, sync_cost)
         self._init_next(build_next)
+        self._init_route()
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
@@ -164,7 +169,11 @@ class DevicePass(SegmentRepair, NextForward):
         # No segments with a router lookahead attached: in a pass its forecast rides on the one sync and widens
         # the repair's reads (runtime/decode/lookahead_pass.py); prefetching ones keep synced calls anyway.
         segments = segments and not any(self.modules[l].lookahead is not None for l in self.order)
-        self.replay.start(self._boundaries(cache, n_tokens) if segments else frozenset(), self._boundary)
+        routed = self._route_each_layer(n_tokens, segments)  # S = 1: each layer syncs before its experts instead
+        self.route_layers, self._routed_reads = (self.lookup_layers if routed else frozenset()), 0
+        self.stats.routed += routed
+        self.replay.start(self._boundaries(cache, n_tokens) if segments and not routed else frozenset(),
+                          self._boundary)
         try:
             self._launch = self._build(forward, cache, n_tokens, snapshot)
         except BaseException:
@@ -249,7 +258,9 @@ class DevicePass(SegmentRepair, NextForward):
         for layer in self._synced:  # evaluated by the sync: their slots need no pin any more
             self.modules[layer].release_pending()
         repairs += self._forward_repairs
-        self._note_repairs(launch.n_tokens, repairs)
+        # A routed forward's layers that read would each have been a repair at S = 1: they keep the rate honest.
+        self._note_repairs(launch.n_tokens, repairs + self._routed_reads)
+        self.route_layers, self._routed_reads = frozenset(), 0
         if not repairs and launch.n_tokens == 1 and self.segment == "auto":  # q's layer time (segment_repair.py)
             self._note_forward_time(time.perf_counter() - launch.started, self.stats.boundary_syncs - self._bsyncs0)
         if self.om.forward_hooks:  # no forward is pending here: a hook's prefetches may evict

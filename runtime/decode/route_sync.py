@@ -1,0 +1,59 @@
+"""RouteSync: when misses make every layer sync anyway, sync each layer's routing *before* its experts run
+(DevicePass mixin).
+
+Segment repairs (runtime/decode/segment_repair.py) at S = 1 sync after every decoder layer and, when a
+layer's experts were absent, read them and run the layer again. The same number of syncs placed one step
+earlier -- on the layer's lookup codes, after its router and before its experts -- finds the absent
+experts before anything used them: they are read, the layer looks them up again and runs once. A miss
+then costs its read and no recompute, no rollback and no replay.
+
+So while "auto" would cut a one-token forward into segments of one layer (S = 1), the forward is *routed*
+instead: every MoE layer that looks up on the device calls route() with its lazy codes. route() evaluates
+them (one host sync: the forward's prefix is evaluated with them), and if a code names an absent expert
+it releases the forward's hold (everything built so far is evaluated), reads the layer's absent experts
+(the layer's other experts pinned: they never evict each other), holds again and tells the layer to look
+up again. Nothing can evict between that lookup and the forward's sync (the hold). The rate that decides
+S counts a routed forward's layers that read (each would have been a repair at S = 1), so the choice holds
+while misses stay that frequent.
+
+Invariants: a routed layer runs only on codes that name resident experts, so the forward's own sync finds
+none absent and it repairs nothing; the codes recorded for the pass are the ones the layer ran with; reads
+happen only with no graph pending that reads a slot (the hold is released exactly around them).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+class RouteSync:
+    """Mixin of DevicePass: uses its cache, stats, flush(), _cur (the build's held layers) and _loaded."""
+
+    def _init_route(self) -> None:
+        self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
+        self._routed_reads = 0  # layers of the forward being built that read at their route()
+
+    def _route_each_layer(self, n_tokens: int, segments: bool) -> bool:
+        """Whether this forward is routed: "auto", one token, and S = 1 (see the module docstring)."""
+        return segments and self.segment == "auto" and n_tokens == 1 and self.segment_size() == 1
+
+    def route(self, layer: int, indices: mx.array, codes: mx.array) -> bool:
+        """Called by a device-mode layer with its lazy codes before its experts run: one host sync; True when
+        absent experts were read (the layer must look up again)."""
+        mx.eval(codes)
+        self.cache.host_syncs += 1
+        self.stats.route_syncs += 1
+        if max(codes.reshape(-1).tolist()) < self.cache.n_slots(layer):
+            return False
+        held = self._cur[3]
+        self.flush()  # the previous forward's recency first: it decides what is evicted
+        self.cache.release(held)  # everything built so far was evaluated by this sync
+        try:
+            for l, (read, nbytes, ms) in self.cache.load_absent({layer: np.unique(np.array(indices))}).items():
+                self._loaded.setdefault(l, []).append((read, nbytes, ms))
+                self.stats.route_reads += len(read)
+        finally:
+            self.cache.hold(held)
+        self._routed_reads += 1
+        return True
