@@ -39,7 +39,7 @@ holds are released when launch()/finish() return or raise.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -48,35 +48,12 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from runtime.decode.lookahead_pass import PassForecasts
 from runtime.decode.next_forward import NextForward
+from runtime.decode.pass_stats import PassStats
 from runtime.decode.route_sync import RouteSync
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 from runtime.decode.segment_repair import SegmentRepair
 
 DEFER_FORWARDS = 16  # hit forwards whose bookkeeping flush(defer=True) books together
-
-
-@dataclass
-class PassStats:
-    passes: int = 0  # forwards run through the pass
-    host_syncs: int = 0  # host syncs those forwards made (1 + repairs + boundary syncs + synced layer calls)
-    repairs: int = 0  # recomputations after absent experts (of a whole forward's tail, or of one segment)
-    boundary_syncs: int = 0  # host syncs at segment boundaries (runtime/decode/segment_repair.py)
-    boundary_repairs: int = 0  # of the repairs, those made at a boundary (inside the forward)
-    boundary_recomputed: int = 0  # decoder layers those recomputed
-    multi_sync: int = 0  # passes that needed more than one host sync
-    repair_reads: int = 0  # experts read by repairs
-    wasted_reads: int = 0  # of those, experts the accepted forward did not use
-    recomputed_layers: int = 0  # decoder layers run again by repairs
-    layer_calls: int = 0  # MoE layer calls that looked up on the device
-    bookkeeping_s: float = 0.0  # host time in flush() (recency, stats, observer, telemetry)
-    next_built: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
-    next_dropped: int = 0  # of those, dropped because the previous forward needed a repair
-    routed: int = 0  # forwards whose layers synced their routing before their experts (route_sync.py)
-    route_syncs: int = 0  # host syncs those made (one per MoE layer)
-    route_reads: int = 0  # experts they read before the layer that needed them ran
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -260,9 +237,11 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         repairs += self._forward_repairs
         # A routed forward's layers that read would each have been a repair at S = 1: they keep the rate honest.
         self._note_repairs(launch.n_tokens, repairs + self._routed_reads)
+        if not repairs and not self._routed_reads and launch.n_tokens == 1 and self.segment == "auto":
+            # q's layer time (segment_repair.py): a forward that read nothing, less the syncs inside it
+            inner = self.stats.boundary_syncs - self._bsyncs0 + (len(self.route_layers) if self.route_layers else 0)
+            self._note_forward_time(time.perf_counter() - launch.started, inner)
         self.route_layers, self._routed_reads = frozenset(), 0
-        if not repairs and launch.n_tokens == 1 and self.segment == "auto":  # q's layer time (segment_repair.py)
-            self._note_forward_time(time.perf_counter() - launch.started, self.stats.boundary_syncs - self._bsyncs0)
         if self.om.forward_hooks:  # no forward is pending here: a hook's prefetches may evict
             routing = {l: h[0] for l, h in self._host.items()}
             routing.update((l, ids) for l, (ids, _) in self._synced.items())  # layers that took the synced path

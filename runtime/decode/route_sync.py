@@ -7,8 +7,9 @@ earlier -- on the layer's lookup codes, after its router and before its experts 
 experts before anything used them: they are read, the layer looks them up again and runs once. A miss
 then costs its read and no recompute, no rollback and no replay.
 
-So while "auto" would cut a one-token forward into segments of one layer (S = 1), the forward is *routed*
-instead: every MoE layer that looks up on the device calls route() with its lazy codes. route() evaluates
+So while "auto" cuts one-token forwards into segments and a sync per layer costs no more than those
+segments (L q <= r S / 2 + (L / S - 1) q in segment_repair.py's terms; always at S = 1), the forward is
+*routed* instead: every MoE layer that looks up on the device calls route() with its lazy codes. route() evaluates
 them (one host sync: the forward's prefix is evaluated with them), and if a code names an absent expert
 it releases the forward's hold (everything built so far is evaluated), reads the layer's absent experts
 (the layer's other experts pinned: they never evict each other), holds again and tells the layer to look
@@ -35,8 +36,15 @@ class RouteSync:
         self._routed_reads = 0  # layers of the forward being built that read at their route()
 
     def _route_each_layer(self, n_tokens: int, segments: bool) -> bool:
-        """Whether this forward is routed: "auto", one token, and S = 1 (see the module docstring)."""
-        return segments and self.segment == "auto" and n_tokens == 1 and self.segment_size() == 1
+        """Whether this "auto" one-token forward is routed: when a sync per layer (L q, in layer recomputes)
+        costs no more than the segments it replaces (r S / 2 recomputed + (L / S - 1) q; S = 1 always)."""
+        if not (segments and self.segment == "auto" and n_tokens == 1):
+            return False
+        s = self.segment_size()
+        if s is None:
+            return False
+        q, L, r = self.sync_cost, self._n_layers, self.repair_rate
+        return s == 1 or L * q <= r * s / 2 + (L / s - 1) * q
 
     def route(self, layer: int, indices: mx.array, codes: mx.array) -> bool:
         """Called by a device-mode layer with its lazy codes before its experts run: one host sync; True when

@@ -81,11 +81,12 @@ class SegmentRepair:
             return SYNC_COST
         return sync_seconds() / max(self._forward_s / max(1, self._n_layers), 1e-6)
 
-    def _note_forward_time(self, seconds: float, boundary_syncs: int) -> None:
-        """A one-token forward that needed no repair took `seconds` from its build to its sync."""
+    def _note_forward_time(self, seconds: float, inner_syncs: int) -> None:
+        """A one-token forward that read nothing took `seconds` from its build to its sync, `inner_syncs` of them
+        inside it (boundaries, route syncs)."""
         if self._sync_cost is not None:
             return
-        compute = seconds - boundary_syncs * sync_seconds() if boundary_syncs else seconds
+        compute = seconds - inner_syncs * sync_seconds() if inner_syncs else seconds
         if compute > 0:
             self._forward_s = compute if self._forward_s is None else \
                 RATE_DECAY * self._forward_s + (1 - RATE_DECAY) * compute
