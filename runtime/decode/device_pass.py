@@ -72,10 +72,11 @@ class _Launch:
 
 class DevicePass(SegmentRepair, NextForward, RouteSync):
     def __init__(self, om, max_repairs: int | None = None, segment: int | str | None = None,
-                 sync_cost: float | None = None, build_next: bool = True):
+                 sync_cost: float | None = None, build_next: bool = True, route: bool = True):
         """segment: repair within segments of S decoder layers (runtime/decode/segment_repair.py): None
-        never, "auto" when recent repairs make it pay, or S; sync_cost: q of that file (None: measured). build_next: launch_next() may build the next
-        token's forward before the pending one's sync (runtime/decode/next_forward.py)."""
+        never, "auto" when recent repairs make it pay, or S; sync_cost: q of that file (None: measured).
+        build_next: launch_next() may build the next token's forward before the pending one's sync
+        (runtime/decode/next_forward.py). route: "auto" may route forwards (runtime/decode/route_sync.py)."""
         self.om = om
         self.cache = om.cache
         self.modules = om.modules
@@ -101,7 +102,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         self._forward_repairs = 0  # repairs inside this forward (at segment boundaries)
         self._init_segments(segment, sync_cost)
         self._init_next(build_next)
-        self._init_route()
+        self._init_route(route)
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
