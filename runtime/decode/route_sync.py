@@ -32,14 +32,14 @@ class RouteSync:
     """Mixin of DevicePass: uses its cache, stats, flush(), _cur (the build's held layers) and _loaded."""
 
     def _init_route(self, enabled: bool) -> None:
-        self.route = enabled  # False: never routed (segments instead; for comparison)
+        self.route_enabled = enabled  # False: never routed (segments instead; for comparison)
         self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
         self._routed_reads = 0  # layers of the forward being built that read at their route()
 
     def _route_each_layer(self, n_tokens: int, segments: bool) -> bool:
         """Whether this "auto" one-token forward is routed: when a sync per layer (L q, in layer recomputes)
         costs no more than the segments it replaces (r S / 2 recomputed + (L / S - 1) q; S = 1 always)."""
-        if not (self.route and segments and self.segment == "auto" and n_tokens == 1):
+        if not (self.route_enabled and segments and self.segment == "auto" and n_tokens == 1):
             return False
         s = self.segment_size()
         if s is None:
