@@ -68,7 +68,8 @@ class RouterBank:
 
     def probs(self, h: mx.array) -> mx.array:
         """h (L, T, D_d) -> router probabilities (L, T, E)."""
-        h = h.astype(mx.float32)
+        if h.dtype != mx.float32:
+            h = h.astype(mx.float32)
         if self.proj_w is not None:
             h = h @ self.proj_w + self.proj_b
         h = mx.fast.rms_norm(h, None, self.eps) * self.norm_w

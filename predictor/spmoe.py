@@ -48,19 +48,39 @@ class SpmoePredictor:
         self._round_taps: DraftTaps | None = None  # the taps whose tokens self._probs holds
         self._layers: list[int] = []
         self._probs: list[np.ndarray] = []  # per routed token: (layers, E) router probabilities
+        self._pending: tuple | None = None  # (tokens of the round's taps, their new tokens' probabilities, lazy)
         self._banks: dict[tuple[int, ...], RouterBank | None] = {}  # stacked routers per layer list
 
-    def forecast(self, taps: DraftTaps, layers: list[int]) -> ExpertForecast:
+    def _start(self, taps: DraftTaps, layers: list[int]) -> tuple[list, list[int]]:
+        """The taps' per-token states and the layers with a router; a new round (new taps) starts afresh."""
         per_token = taps.residual if self.source == "residual" else taps.attention
         layers = [l for l in layers if l in self.routers]
+        if per_token and layers and (self._round_taps is not taps or self._layers != layers):
+            self._round_taps, self._layers, self._probs, self._pending = taps, layers, [], None
+        return per_token, layers
+
+    def prepare(self, taps: DraftTaps, layers: list[int]) -> mx.array | None:
+        """The router probabilities of the taps' tokens not routed yet, built lazily: the drafter evaluates
+        them with its own token (one host sync for both), and forecast() then reads them at no sync of its own.
+        None when there is nothing to route."""
+        per_token, layers = self._start(taps, layers)
+        new = per_token[len(self._probs):] if per_token and layers else []
+        if not new:
+            return None
+        self._pending = (len(per_token), self._route(new, layers))
+        return self._pending[1]
+
+    def forecast(self, taps: DraftTaps, layers: list[int]) -> ExpertForecast:
+        per_token, layers = self._start(taps, layers)
         if not per_token or not layers:
             return ExpertForecast.empty()
-        # Called after every draft step with the round's growing taps: route only the new tokens.
-        if self._round_taps is not taps or self._layers != layers:
-            self._round_taps, self._layers, self._probs = taps, layers, []
+        # Called after every draft step with the round's growing taps: route only the new tokens (prepared
+        # with the drafter's step when the decoder asked for them, see prepare()).
         new = per_token[len(self._probs):]
         if new:
-            self._probs += list(np.array(self._route(new, layers)).swapaxes(0, 1))  # one host read; per token (layers, E)
+            pending, self._pending = self._pending, None
+            routed = pending[1] if pending is not None and pending[0] == len(per_token) else self._route(new, layers)
+            self._probs += list(np.array(routed).swapaxes(0, 1))  # one host read; per token (layers, E)
         all_probs = np.stack(self._probs, axis=1)  # (layers, T, E)
         n_layers, _, n_experts = all_probs.shape
         k = min(self.top_k, n_experts)
@@ -85,9 +105,17 @@ class SpmoePredictor:
             self._banks[key] = RouterBank.from_routers(self.routers, layers, self.projections)
         bank = self._banks[key]
         if bank is not None:
+            # Each drafter layer's tap once ((T_new, D_d) per layer), then one gather to the target layers
+            # mapped to it: on a CPU each op's dispatch costs more than its arithmetic (L target layers share
+            # fewer drafter layers).
             mapped = [self.layer_map[l] for l in layers]
-            h = mx.stack([mx.stack([tok[m].reshape(-1) for m in mapped]) for tok in new], axis=1)  # (L, T, D_d)
-            return bank.probs(h)
+            sources = sorted(set(mapped))
+            flat = lambda a: a if a.ndim == 1 else a.reshape(-1)  # noqa: E731 (taps are (D_d,) already)
+            per_token = [mx.stack([flat(tok[m]) for m in sources]) for tok in new]  # each (S, D_d)
+            taps = per_token[0][:, None] if len(new) == 1 else mx.stack(per_token, axis=1)  # (S, T, D_d)
+            if len(sources) == len(mapped) and sources == mapped:
+                return bank.probs(taps)
+            return bank.probs(taps[mx.array([sources.index(m) for m in mapped])])  # (L, T, D_d)
         probs = []  # a norm or gate the bank cannot stack: layer by layer with the modules themselves
         for l in layers:
             h = mx.stack([tok[self.layer_map[l]].reshape(-1) for tok in new])  # (T_new, D_d)

@@ -97,3 +97,55 @@ def test_vectorized_ranking_equals_the_per_layer_union():
             for l, (experts, scores) in zip(layers, want):
                 np.testing.assert_array_equal(got.experts(l), experts)
                 np.testing.assert_array_equal(got.layers[l].scores, scores)
+
+
+def test_a_forecast_prepared_with_the_draft_step_equals_one_routed_on_its_own(tiny_dirs, tmp_path):
+    """on_taps: the drafter evaluates the predictor's routing of its new taps with its own token (one host sync);
+    the forecasts and the drafted tokens are those of a drafter and predictor that sync apart."""
+    from runtime.decode.sampling import Sampling
+
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%"))
+    try:
+        dconfig = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": TINY["layers"]}
+        pairs = []
+        for name in ("a", "b"):  # the same drafter weights twice (each drafter taps its own model)
+            dmodel, _ = load(str(make_tiny(tmp_path / name, "qwen3", seed=9, layers=TINY["layers"])))
+            pred = build_predictor("spmoe", om, dmodel, dconfig)
+            drafter = make_drafter(dmodel, "spmoe")
+            drafter.prefill(om.tokenizer.encode(PROMPT))
+            pairs.append((pred, drafter))
+        (prepared, d1), (plain, d2) = pairs
+        routes, phase = [], ["prepare"]
+        own_route, own_forecast = prepared._route, prepared.forecast
+
+        def forecast(taps, layers):
+            phase[0] = "forecast"
+            try:
+                return own_forecast(taps, layers)
+            finally:
+                phase[0] = "prepare"
+
+        prepared._route = lambda new, layers: routes.append((phase[0], len(new))) or own_route(new, layers)  # noqa: E731
+        prepared.forecast = forecast
+        layers = om.moe_layers
+        for sampling in (None, Sampling(temp=1.0)):
+            got, want = [], []
+            r1 = d1.propose(3, sampling=sampling, rng=np.random.default_rng(5),
+                            on_step=lambda taps: got.append(prepared.forecast(taps, layers)),
+                            on_taps=lambda taps: prepared.prepare(taps, layers))
+            r2 = d2.propose(3, sampling=sampling, rng=np.random.default_rng(5),
+                            on_step=lambda taps: want.append(plain.forecast(taps, layers)))
+            assert r1.tokens == r2.tokens
+            assert len(got) == len(want) == 4
+            for g, w in zip(got, want):
+                for layer in layers:
+                    np.testing.assert_array_equal(g.experts(layer), w.experts(layer))
+                    np.testing.assert_allclose(g.layers[layer].scores, w.layers[layer].scores, rtol=1e-6)
+            d1.settle(0, r1.tokens[0])
+            d2.settle(0, r2.tokens[0])
+        # Each drafted token routed once (by prepare); the last one, fed only for its taps, by forecast itself.
+        assert routes == ([("prepare", 1)] * 3 + [("forecast", 1)]) * 2
+        for _, drafter in pairs:
+            drafter.taps.remove()
+    finally:
+        om.close()

@@ -33,7 +33,8 @@ class DraftResult:
 class Drafter(Protocol):
     def prefill(self, ids: list[int]) -> None: ...
     def propose(self, k: int, *, sampling: Sampling | None = None, rng: np.random.Generator | None = None,
-                on_step: Callable[[DraftTaps], None] | None = None) -> DraftResult: ...
+                on_step: Callable[[DraftTaps], None] | None = None,
+                on_taps: Callable[[DraftTaps], object] | None = None) -> DraftResult: ...
     def settle(self, n_accepted: int, next_token: int) -> None: ...
     def skip(self, token: int) -> None: ...
 
@@ -66,19 +67,26 @@ class ModelDrafter:
             taps.attention.append({l: r["h"][0, -1] - r["x"][0, -1] for l, r in rec.items()})
         return logits
 
-    def propose(self, k, *, sampling=None, rng=None, on_step=None) -> DraftResult:
+    def propose(self, k, *, sampling=None, rng=None, on_step=None, on_taps=None) -> DraftResult:
         """K proposals: the argmax when `sampling` is None or greedy, else drawn from the drafter's
-        distribution under the target's sampler settings (q; any q keeps the target's p)."""
+        distribution under the target's sampler settings (q; any q keeps the target's p).
+        on_step(taps) after each step, once its token is drawn; on_taps(taps), before that, may return lazy
+        arrays built on the new taps (a forecast's): they are evaluated with the step's token, one host sync."""
         taps, tokens, qs = DraftTaps(), [], []
         feed = self.pending
         for _ in range(k):
             logits = self._step(feed, taps)
+            extra = on_taps(taps) if on_taps else None
             if sampling is not None and not sampling.greedy:
-                q = np.array(sampling.probabilities(logits), np.float64)
+                probs = sampling.probabilities(logits)
+                mx.eval(probs, [] if extra is None else extra)
+                q = np.array(probs, np.float64)
                 token = sample(q, rng)
                 qs.append(q)
             else:
-                token = int(mx.argmax(logits).item())
+                best = mx.argmax(logits)
+                mx.eval(best, [] if extra is None else extra)
+                token = int(best.item())
             if on_step:
                 on_step(taps)
             tokens.append(token)

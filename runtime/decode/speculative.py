@@ -189,8 +189,10 @@ class SpeculativeDecoder:
         self._forecast, self._queued, self._queued_ids, self._round_bytes = ExpertForecast.empty(), set(), {}, 0
         if k == 0:  # a plain round: no drafter work, no forecast
             return DraftResult([], None, DraftTaps())
+        prepare = getattr(self.predictor, "prepare", None) if self.forecast_layers else None
         draft = self.drafter.propose(k, sampling=self.cfg.sampling, rng=self.rng,
-                                     on_step=self._forecast_and_prefetch)
+                                     on_step=self._forecast_and_prefetch,
+                                     on_taps=None if prepare is None else (lambda taps: prepare(taps, self.forecast_layers)))
         self.stats.draft_s += time.perf_counter() - t0
         return draft
 
