@@ -16,6 +16,7 @@ from runtime.decode.speculative_run import run_speculative
 from storage import ExpertKey
 from runtime.checkpoints.tiny import make_tiny
 from tests.conftest import PROMPT, TINY, greedy_ids
+from tests.pass_helpers import pass_idle as _idle
 
 N = 20
 
@@ -26,10 +27,6 @@ def _routing_recorder(om):
     return seen
 
 
-def _idle(om) -> bool:
-    """Nothing pinned or held, no module left in device mode."""
-    return (all((ls.pins == 0).all() and ls.held == 0 for ls in om.cache.table.layers.values())
-            and all(m.device is None for m in om.modules.values()))
 
 
 def _normal_window_logits(path, budget, ids, n):

@@ -8,32 +8,19 @@ from __future__ import annotations
 
 import math
 
-import mlx.core as mx
 import pytest
 from mlx_lm import load
 
 import runtime.decode.next_forward as next_forward
-from runtime.decode import offloaded_generate_step
-from runtime.decode.device_pass import DevicePass
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.decode.warm import warm_start
 from tests.conftest import PROMPT, greedy_ids
+from tests.pass_helpers import decode_through_pass, pass_idle as _idle
 
 N = 20
 
 
 def _decode(om, segment=None, build_next=True, n=N):
-    warm_start(om)
-    dp = DevicePass(om, segment=segment, build_next=build_next)
-    gen = offloaded_generate_step(om, mx.array(om.tokenizer.encode(PROMPT)), max_tokens=n,
-                                  sampler=lambda x: mx.argmax(x, axis=-1), device_pass=dp,
-                                  after_prefill=om.cache.settle_inflight)
-    return [t for t, _ in gen], dp
-
-
-def _idle(om) -> bool:
-    return (all((ls.pins == 0).all() and ls.held == 0 for ls in om.cache.table.layers.values())
-            and all(m.device is None for m in om.modules.values()))
+    return decode_through_pass(om, n, segment=segment, build_next=build_next)
 
 
 def _expected(tiny_dirs, family, om):

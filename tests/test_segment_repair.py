@@ -10,28 +10,16 @@ import pytest
 from mlx_lm import load
 
 import runtime.decode.segment_repair as segment_repair
-from runtime.decode import offloaded_generate_step
 from runtime.decode.device_pass import DevicePass
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.decode.warm import warm_start
 from tests.conftest import PROMPT, greedy_ids
+from tests.pass_helpers import decode_through_pass, pass_idle as _idle
 
 N = 24
 
 
-def _decode(om, segment, n=N):
-    """Greedy tokens through offloaded_generate_step with a DevicePass(segment=...); returns (tokens, pass)."""
-    warm_start(om)
-    dp = DevicePass(om, segment=segment)
-    gen = offloaded_generate_step(om, mx.array(om.tokenizer.encode(PROMPT)), max_tokens=n,
-                                  sampler=lambda x: mx.argmax(x, axis=-1), device_pass=dp,
-                                  after_prefill=om.cache.settle_inflight)
-    return [t for t, _ in gen], dp
-
-
-def _idle(om) -> bool:
-    return (all((ls.pins == 0).all() and ls.held == 0 for ls in om.cache.table.layers.values())
-            and all(m.device is None for m in om.modules.values()))
+def _decode(om, segment, n=N, **options):
+    return decode_through_pass(om, n, segment=segment, **options)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
@@ -66,11 +54,7 @@ def test_auto_segments_only_while_repairs_are_frequent(tiny_dirs):
     try:
         ids = om.tokenizer.encode(PROMPT)
         # q = 1 (a sync costs a layer, as on a Mac with small layers): S >= 2, segments rather than routed forwards
-        warm_start(om)
-        dp = DevicePass(om, segment="auto", sync_cost=1.0)
-        gen = offloaded_generate_step(om, mx.array(ids), max_tokens=N, sampler=lambda x: mx.argmax(x, axis=-1),
-                                      device_pass=dp, after_prefill=om.cache.settle_inflight)
-        tokens = [t for t, _ in gen]
+        tokens, dp = _decode(om, "auto", sync_cost=1.0)
         assert tokens == greedy_ids(load(str(tiny_dirs["qwen3_moe"]))[0], ids, N)
         assert dp.repair_rate > 0 and dp.segment_size() is not None and dp.stats.boundary_syncs > 0
         q, L, r = dp.sync_cost, len(om.model.layers), dp.repair_rate

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import mlx.core as mx
 import numpy as np
