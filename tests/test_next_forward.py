@@ -103,3 +103,19 @@ def test_not_built_while_repairs_are_frequent_or_hooks_may_evict(tiny_dirs):
         assert dp.stats.next_built == 0 and tokens == _expected(tiny_dirs, "qwen3_moe", om)
     finally:
         om.close()
+
+
+def test_generation_stats_report_early_and_routed_forwards(tiny_dirs):
+    """--json's GenerationStats: early forwards at a full budget, routed ones at 25% (auto)."""
+    from runtime.decode.plain import generate_tokens
+
+    for budget, early, routed in (("100%", True, False), ("25%", False, True)):
+        om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget=budget))
+        try:
+            ids = om.tokenizer.encode(PROMPT)
+            tokens, stats = generate_tokens(om.model, ids, max_tokens=N, om=om)
+            assert tokens == _expected(tiny_dirs, "qwen3_moe", om)
+            assert (stats.early_forwards >= N - 2) == early and (stats.early_forwards == 0) == (not early)
+            assert (stats.routed_forwards >= N // 2) == routed and (stats.routed_forwards == 0) == (not routed)
+        finally:
+            om.close()

@@ -51,6 +51,8 @@ class GenerationStats:
     prefetch_reads_per_token: float = 0.0  # decode: experts read because a forecast (lookahead) named them
     prefetch_used_per_token: float = 0.0  # decode: of those, used by a call
     prefetch_wasted_per_token: float = 0.0  # decode: prefetched experts evicted unused
+    early_forwards: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
+    routed_forwards: int = 0  # forwards that synced each MoE layer's routing before its experts (route_sync.py)
 
     def line(self) -> str:
         return (f"{self.tokens_per_s:.1f} tok/s | hit rate {self.hit_rate:.1%} | "
@@ -212,6 +214,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         prefetch_reads_per_token=(c2["prefetch_loaded"] - c1["prefetch_loaded"]) / n_decode if n_decode else 0.0,
         prefetch_used_per_token=(c2["prefetch_hits"] - c1["prefetch_hits"]) / n_decode if n_decode else 0.0,
         prefetch_wasted_per_token=(c2["prefetch_wasted"] - c1["prefetch_wasted"]) / n_decode if n_decode else 0.0,
+        early_forwards=dp.stats.next_built - dp.stats.next_dropped if dp else 0,
+        routed_forwards=dp.stats.routed if dp else 0,
     )
 
 
