@@ -62,14 +62,15 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                     "mb": stats.mb_read_per_token * n, "syncs_per_token": stats.host_syncs_per_token,
                     "repairs_per_token": stats.repairs_per_token}
         dmodel, dconfig = load_drafter(draft, om)
-        predictor, _, k = variant.partition("@")  # spmoe@6: spmoe taking 6 experts per window token
+        name, _, route = variant.partition("/")  # spmoe/off: verify windows never routed
+        predictor, _, k = name.partition("@")  # spmoe@6: spmoe taking 6 experts per window token
         cpu0 = time.process_time()  # loading the drafter is not decoding
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
                                            predictor=predictor, cutoff=args.cutoff, draft_model=dmodel,
                                            draft_config=dconfig, one_sync=args.one_sync,
                                            forecast_k=int(k) if k else args.forecast_k,
                                            forecast_limit=args.forecast_limit,
-                                           adaptive_k=not args.fixed_k)
+                                           adaptive_k=not args.fixed_k, route=route or "auto")
         # the oracle's CPU time includes its recording run (run_speculative records, then decodes): not comparable
         cpu_ms_per_token = None if predictor == "oracle" else (time.process_time() - cpu0) * 1e3 / stats.n_tokens
         c = stats.counters
@@ -82,7 +83,8 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                 "forecast_per_layer": forecast / max(1, stats.n_rounds * len(layers)),
                 "one_sync_share": (stats.one_sync_tries - stats.one_sync_fallbacks) / max(1, stats.n_rounds),
                 "mean_k": stats.mean_k, "syncs_per_round": stats.host_syncs / max(1, stats.one_sync_tries),
-                "repairs_per_round": stats.repairs / max(1, stats.one_sync_tries)}
+                "repairs_per_round": stats.repairs / max(1, stats.one_sync_tries),
+                "routed_share": stats.routed_rounds / max(1, stats.one_sync_tries)}
     finally:
         om.close()
 
@@ -109,7 +111,7 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
            "misses_per_token": sum(r["misses"] for r in runs) / tokens,
            "mb_read_per_token": sum(r["mb"] for r in runs) / tokens}
     for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share", "mean_k",
-                "syncs_per_round", "repairs_per_round", "syncs_per_token", "repairs_per_token"):
+                "syncs_per_round", "repairs_per_round", "routed_share", "syncs_per_token", "repairs_per_token"):
         out[key] = statistics.mean(r[key] for r in runs) if key in runs[0] else None
     return out
 
@@ -136,7 +138,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (more: steadier medians)")
     ap.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="one prompt per line (default: bench/prompts.txt)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
-                    + "; a predictor may carry its experts per window token: spmoe@6 (else --forecast-k)")
+                    + "; a predictor may carry its experts per window token: spmoe@6 (else --forecast-k), and /off: "
+                    "verify windows never routed (runtime/decode/route_sync.py), e.g. spmoe/off")
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
                          "results are then labelled emulated)")

@@ -33,13 +33,16 @@ class RouteSync:
 
     def _init_route(self, enabled: bool) -> None:
         self.route_enabled = enabled  # False: never routed (segments instead; for comparison)
+        self.route_windows = False  # route forwards of several tokens (verify windows); set by their owner
         self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
         self._routed_reads = 0  # layers of the forward being built that read at their route()
 
     def _route_each_layer(self, n_tokens: int, segments: bool) -> bool:
         """Whether this "auto" one-token forward is routed: when a sync per layer (L q, in layer recomputes)
         costs no more than the segments it replaces (r S / 2 recomputed + (L / S - 1) q; S = 1 always)."""
-        if not (self.route_enabled and segments and self.segment == "auto" and n_tokens == 1):
+        if n_tokens > 1:  # a verify window: routed while its owner says so (runtime/decode/speculative.py)
+            return self.route_enabled and self.route_windows
+        if not (self.route_enabled and segments and self.segment == "auto"):
             return False
         s = self.segment_size()
         if s is None:

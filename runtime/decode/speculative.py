@@ -51,6 +51,13 @@ from runtime.decode.warm import warm_start
 from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, sample
 from storage import ExpertKey
 
+# Verify windows are routed (runtime/decode/route_sync.py: a host sync per MoE layer, before its experts run,
+# so a miss costs its read and no recompute) while the pass's repair rate -- repairs, or layers that read at
+# their route sync, per forward, averaged over about ten -- is at least this: most windows miss. Below it a
+# window the forecast covered syncs once. On the embedded pair at 50% spmoe's windows run at ~1 repair each
+# (routed), the oracle's at ~0.14 (one sync).
+ROUTE_WINDOWS_RATE = 0.5
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -65,8 +72,10 @@ class SpecConfig:
     prefill_chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per target forward during prefill (mlx-lm's 2048);
     # under --memory-limit the target's ContextGovernor sizes it instead: the whole prompt unless its activations need less
     warm: str | None = None  # warm start source (runtime/decode/warm.py); a full budget always warms
-    one_sync: str = "auto"  # verify as device passes (one host sync, repair): auto or on; off: one sync per layer
+    one_sync: str = "auto"  # verify as device passes (one host sync, repair): auto (routed while most windows miss) or on
+    # (never routed); off: one sync per layer
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
+    route: str = "auto"  # auto (with one_sync auto): windows routed while most of them miss (ROUTE_WINDOWS_RATE); off: never
 
     def __post_init__(self):
         if self.num_draft < 1:
@@ -76,6 +85,8 @@ class SpecConfig:
         self.sampling  # validates temp, top_p, top_k, min_p
         if self.one_sync not in ("auto", "on", "off"):
             raise ValueError(f"--one-sync {self.one_sync!r}; expected auto, on or off")
+        if self.route not in ("auto", "off"):
+            raise ValueError(f"route={self.route!r}; expected auto or off")
 
     @property
     def sampling(self) -> Sampling:
@@ -97,6 +108,7 @@ class SpecStats:
     one_sync_fallbacks: int = 0  # of those, verifies that needed more than one host sync (repairs, split layers)
     host_syncs: int = 0  # host syncs of verify forwards (1 per round when the forecast covered the window)
     repairs: int = 0  # verify recomputations after absent experts
+    routed_rounds: int = 0  # verifies routed: each MoE layer synced its codes before its experts (no recompute)
     settle_ms: float = 0.0  # time waiting, before verify, for the round's prefetches still in flight
     decode_s: float = 0.0  # wall time of all rounds
     prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
@@ -162,6 +174,7 @@ class SpeculativeDecoder:
         # No segment repairs for verify windows: a window the forecast covered syncs once (segments would cut
         # every window once a few repairs raised the rate; runtime/decode/segment_repair.py).
         self._pass = DevicePass(target) if cfg.one_sync != "off" else None
+        self._route = cfg.route == "auto" and cfg.one_sync == "auto"  # "on": one sync and repairs, never routed
         self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
 
     # -- phases ------------------------------------------------------------------------
@@ -220,6 +233,10 @@ class SpeculativeDecoder:
             # The round's prefetches land first: a forecast expert still loading would read as absent and
             # cost a repair (a recompute) instead of the same wait.
             self.stats.settle_ms += self.target.cache.settle_inflight()
+            # While most windows miss, each layer syncs its codes before its experts run (route_sync.py): a miss
+            # costs its read, no recompute. Windows the forecast usually covers keep their one sync.
+            self._pass.route_windows = self._route and self._pass.repair_rate >= ROUTE_WINDOWS_RATE
+            self.stats.routed_rounds += self._pass.route_windows
         out = self._pass.run(forward, self.cache, len(tokens))
         if count:
             self.stats.one_sync_tries += 1

@@ -21,7 +21,8 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
                         top_k: int = 0, min_p: float = 0.0, seed: int = 0, eos_ids=(), max_prefetch_bytes: int | None = None, draft_model=None,
                         draft_config=None, one_sync: str = "auto", forecast_k: int | None = None,
                         forecast_limit: int | None = None, adaptive_k: bool = True, lookahead: int = 0,
-                        lookahead_experts: int | None = None, warm: str | None = None) -> SpeculativeDecoder:
+                        lookahead_experts: int | None = None, warm: str | None = None,
+                        route: str = "auto") -> SpeculativeDecoder:
     """A SpeculativeDecoder for `om` and the drafter in `draft_dir` (or `draft_model`), ready to stream.
 
     `ids` and `max_tokens` are needed only by the oracle, which records the same run first.
@@ -32,7 +33,8 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
     if draft_model is None:
         draft_model, draft_config = load_drafter(draft_dir, om)
     cfg = SpecConfig(num_draft=num_draft, cutoff=cutoff, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                     max_prefetch_bytes=max_prefetch_bytes, one_sync=one_sync, adaptive_k=adaptive_k, warm=warm)
+                     max_prefetch_bytes=max_prefetch_bytes, one_sync=one_sync, adaptive_k=adaptive_k, warm=warm,
+                     route=route)
     recording = None
     if predictor == "oracle":
         if ids is None:
