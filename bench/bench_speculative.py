@@ -172,7 +172,7 @@ def main() -> None:
           f"average {load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
           + (f"; EMULATED read latency +{args.emulate_read_ms} ms per expert" if args.emulate_read_ms else ""))
     print(f"{'budget variant':<22}{'tok/s':>8}{'vs no-spec [min-max]':>22}{'verdict':>17}{'CPU vs no-spec':>20}{'misses/tok':>12}{'MB/tok':>9}{'accept':>8}{'tok/verify':>11}"
-          f"{'recall':>8}{'precis.':>8}{'fc/layer':>9}{'1-sync':>8}{'K':>7}")
+          f"{'recall':>8}{'precis.':>8}{'fc/layer':>9}{'1-sync':>8}{'routed':>8}{'K':>7}")
     for key, r in results.items():
         fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
         spread = f"{r['vs_no_spec']:.2f} [{r['vs_no_spec_min']:.2f}-{r['vs_no_spec_max']:.2f}]" if r["vs_no_spec"] else "-"
@@ -182,7 +182,8 @@ def main() -> None:
         print(f"{key:<22}{r['tokens_per_s']:>8.1f}{spread:>22}{verdict:>17}{cpu:>20}{r['misses_per_token']:>12.2f}"
               f"{r['mb_read_per_token']:>9.3f}{fmt(r['acceptance'], '{:.0%}'):>8}{fmt(r['tokens_per_verify'], '{:.2f}'):>11}"
               f"{fmt(r['recall'], '{:.2f}'):>8}{fmt(r['precision'], '{:.2f}'):>8}"
-              f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}{fmt(r['mean_k'], '{:.2f}'):>7}")
+              f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}"
+              f"{fmt(r['routed_share'], '{:.0%}'):>8}{fmt(r['mean_k'], '{:.2f}'):>7}")
     print(json.dumps({"bench": "speculative", "target": str(source if scratch else target), "packed": not args.raw, "draft": str(draft), "num_draft": args.num_draft,
                       "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
                       "one_sync": args.one_sync, "forecast_k": args.forecast_k, "adaptive_k": not args.fixed_k,

@@ -72,7 +72,7 @@ for ms in 1 2 4; do
   run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,oracle --repeats 2
 done
 for ms in 0 1 2; do  # the hot-path section's speculative rows (+1/+2 ms per read: emulated)
-  run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,oracle --budgets 50% --repeats 2
+  run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,spmoe/off,oracle --budgets 50% --repeats 2
 done
 run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --repeats 3 --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
 if [[ -z $CHECK$LIST ]] && { wanted tune || wanted tuned; }; then
