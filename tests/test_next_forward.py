@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
 
 import runtime.decode.next_forward as next_forward
+from runtime.decode import offloaded_generate_step
+from runtime.decode.device_pass import DevicePass
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.warm import warm_start
 from tests.conftest import PROMPT, greedy_ids
 from tests.pass_helpers import decode_through_pass, pass_idle as _idle
 
@@ -117,5 +121,33 @@ def test_generation_stats_report_early_and_routed_forwards(tiny_dirs):
             assert tokens == _expected(tiny_dirs, "qwen3_moe", om)
             assert (stats.early_forwards >= N - 2) == early and (stats.early_forwards == 0) == (not early)
             assert (stats.routed_forwards >= N // 2) == routed and (stats.routed_forwards == 0) == (not routed)
+        finally:
+            om.close()
+
+
+def test_the_build_that_quantizes_the_kv_is_not_built_early(tmp_path, monkeypatch):
+    """--kv-bits: the forward whose build converts the caches (mlx-lm's maybe_quantize_kv_cache) waits for the
+    previous sync (a drop would leave the repaired forward reading quantized keys); the tokens equal
+    generate_step's with the same kv_bits, also when every early forward is dropped."""
+    from mlx_lm.generate import generate_step
+
+    from runtime.checkpoints.tiny import make_tiny
+
+    monkeypatch.setattr(next_forward, "NEXT_MAX_REPAIR_RATE", math.inf)
+    path = make_tiny(tmp_path / "m", "qwen3_moe", seed=1, layers=3, n_experts=32, top_k=4, hidden=128)  # head_dim 32
+    for budget in ("100%", "25%"):
+        om = OffloadedModel.load(path, OffloadConfig(budget=budget))
+        try:
+            ids = om.tokenizer.encode(PROMPT)
+            start = len(ids) + 5  # converts in the middle of decoding
+            stock = [t for t, _ in generate_step(mx.array(ids), load(str(path))[0], max_tokens=N, kv_bits=4,
+                                                 kv_group_size=32, quantized_kv_start=start)]
+            warm_start(om)
+            dp = DevicePass(om, segment=None)
+            gen = offloaded_generate_step(om, mx.array(ids), max_tokens=N, sampler=lambda x: mx.argmax(x, axis=-1),
+                                          device_pass=dp, after_prefill=om.cache.settle_inflight, kv_bits=4,
+                                          kv_group_size=32, quantized_kv_start=start)
+            assert [t for t, _ in gen] == stock
+            assert 0 < dp.stats.next_built < N - 1  # built early except around the conversion
         finally:
             om.close()

@@ -43,6 +43,10 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
                                  kv_group_size=kv_group_size, kv_bits=kv_bits)
     progress = prompt_progress_callback or (lambda *_: None)
 
+    def quantizes_next(caches) -> bool:  # the next forward's build would convert a cache (maybe_quantize_kv_cache)
+        return kv_bits is not None and any(hasattr(c, "to_quantized") and c.offset + 1 >= quantized_kv_start
+                                           for c in caches)
+
     def step(tokens: mx.array) -> Callable:
         def forward():
             logits = model(tokens[None], cache=cache)[:, -1, :]
@@ -82,8 +86,11 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
             n += 1
             if n % 256 == 0:
                 mx.clear_cache()
-            if n < max_tokens:  # as generate_step: the forward after this one is queued before this one's sync
-                dp.launch_next(lambda out: step(out[0]))  # (when a repair is unlikely: runtime/decode/next_forward.py)
+            # As generate_step: the forward after this one is queued before this one's sync (when a repair is
+            # unlikely: runtime/decode/next_forward.py) -- but not the build that quantizes the KV (--kv-bits): were
+            # it dropped, this forward's repair would read quantized keys stock read unquantized.
+            if n < max_tokens and not quantizes_next(cache):
+                dp.launch_next(lambda out: step(out[0]))
             token, logprobs = dp.finish()
     finally:
         dp.settle()  # stopped early (eos, close, an error): the queued forward is finished, its KV right
