@@ -264,7 +264,7 @@ def test_speculative_greedy_with_one_sync_verify_is_lossless(family, label, tiny
 def test_warm_start_fills_the_most_used_experts_and_refuses_a_bad_file(tiny_dirs, tmp_path):
     import json
 
-    from runtime.decode.warm import warm_start
+    from runtime.decode.warm import warm_keys, warm_start
 
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
     try:
@@ -281,6 +281,17 @@ def test_warm_start_fills_the_most_used_experts_and_refuses_a_bad_file(tiny_dirs
         bad.write_text("{}")
         with pytest.raises(ValueError, match="expert_counts"):
             warm_start(om, bad)
+        # A tuning.json (`specmoe tune`): the entries made for this model count; another model's do not.
+        low = {str(l): [float(TINY["n_experts"] - e) for e in range(TINY["n_experts"])] for l in om.moe_layers}
+        mine, other = {"model": om.model_id()["digest"], "budget": "25%"}, {"model": "another", "budget": "25%"}
+        tuning = tmp_path / "tuning.json"
+        tuning.write_text(json.dumps({"version": 1, "entries": [{"key": other, "expert_counts": counts},
+                                                                 {"key": mine, "expert_counts": low}]}))
+        keys = warm_keys(om, tuning)
+        assert keys and all(k.expert < om.cache.n_slots(k.layer) for k in keys)  # low ids most used: this entry's
+        tuning.write_text(json.dumps({"version": 1, "entries": [{"key": other, "expert_counts": counts}]}))
+        with pytest.raises(ValueError, match="rerun specmoe tune"):
+            warm_keys(om, tuning)
     finally:
         om.close()
 

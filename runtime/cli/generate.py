@@ -114,8 +114,9 @@ def register(app: typer.Typer) -> None:
                                        help="Decode steps and verify passes look experts up on the device with one host "
                                             "sync, repaired when one was absent: auto/on; off: one sync per MoE layer."),
         warm: Path = typer.Option(None, "--warm", help="Warm start below a full budget: fill the cache before decoding with "
-                                                        "the most used experts of a routing trace (.smtrace) or a JSON of "
-                                                        "expert_counts (a full budget always reads every expert first)."),
+                                                        "the most used experts of a routing trace (.smtrace), the model's "
+                                                        "tuning.json (`specmoe tune`) or a JSON of expert_counts (a full "
+                                                        "budget always reads every expert first)."),
         policy: str = opt.policy_option(),
         lookahead: int = typer.Option(None, "--lookahead", min=0,
                                       help="Prefetch each MoE layer's experts forecast from the layer this many MoE layers "

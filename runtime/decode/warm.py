@@ -4,7 +4,7 @@ When the budget holds every expert of every layer, all of them are read (queued 
 prefill, so the reads overlap it; the decoder waits for the rest before its first step): no
 decode-time misses at a 100% budget. For smaller budgets a source names the most used
 experts: a routing trace (.smtrace, `specmoe profile`/`--trace`) or a JSON file with
-"expert_counts": {layer: [count per expert]} (tuning.json when it carries them); each layer
+"expert_counts": {layer: [count per expert]} (or tuning.json from `specmoe tune`: the counts its measurements saw, for this model); each layer
 gets its most used experts, as many as its slots hold.
 
 Invariant: warming only changes what is resident when decoding starts, never what is computed.
@@ -39,9 +39,12 @@ def expert_counts(om, source: str | Path) -> dict[int, np.ndarray]:
     except (OSError, ValueError) as e:
         raise ValueError(f"--warm {path}: cannot read it ({e}); expected a routing trace (.smtrace) or a JSON file") from None
     counts = data.get("expert_counts") if isinstance(data, dict) else None
+    if counts is None and isinstance(data, dict) and isinstance(data.get("entries"), list):
+        counts = _tuned_counts(om, data["entries"])  # tuning.json: the entries for this model
     if not isinstance(counts, dict):
-        raise ValueError(f"--warm {path}: no \"expert_counts\" in it; expected a routing trace (.smtrace) or a JSON "
-                         f"file with \"expert_counts\": {{layer: [count per expert]}}")
+        raise ValueError(f"--warm {path}: no \"expert_counts\" in it (for a tuning.json: none for this model; rerun "
+                         f"specmoe tune); expected a routing trace (.smtrace), a tuning.json or a JSON file with "
+                         f"\"expert_counts\": {{layer: [count per expert]}}")
     out = {}
     for l in om.moe_layers:
         row = np.asarray(counts.get(str(l), counts.get(l, [])), np.float64)
@@ -49,6 +52,22 @@ def expert_counts(om, source: str | Path) -> dict[int, np.ndarray]:
             raise ValueError(f"--warm {path}: expert_counts[{l}] has {row.size} entries; expected {n_experts[l]}")
         out[l] = row
     return out
+
+
+def _tuned_counts(om, entries: list) -> dict | None:
+    """Summed expert_counts of the tuning entries made for this model (any drafter, budget or machine:
+    routing depends on the model and the text only), or None."""
+    digest = om.model_id()["digest"]
+    rows = [e["expert_counts"] for e in entries if isinstance(e, dict) and isinstance(e.get("expert_counts"), dict)
+            and isinstance(e.get("key"), dict) and e["key"].get("model") == digest]
+    if not rows:
+        return None
+    total = {}
+    for row in rows:
+        for layer, counts in row.items():
+            c = np.asarray(counts, np.float64)
+            total[layer] = total[layer] + c if layer in total and total[layer].shape == c.shape else c
+    return total
 
 
 def warm_keys(om, source: str | Path | None = None) -> list[ExpertKey]:
