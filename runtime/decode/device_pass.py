@@ -147,7 +147,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         # No segments with a router lookahead attached: in a pass its forecast rides on the one sync and widens
         # the repair's reads (runtime/decode/lookahead_pass.py); prefetching ones keep synced calls anyway.
         segments = segments and not any(self.modules[l].lookahead is not None for l in self.order)
-        routed = self._route_each_layer(n_tokens, segments)  # S = 1: each layer syncs before its experts instead
+        routed = self._route_each_layer(n_tokens, segments)  # misses so frequent: each layer syncs before its experts
         self.route_layers, self._routed_reads = (self.lookup_layers if routed else frozenset()), 0
         self.stats.routed += routed
         self.replay.start(self._boundaries(cache, n_tokens) if segments and not routed else frozenset(),
