@@ -13,8 +13,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-# Tables go to pipes and logs as often as to terminals: do not squeeze them to 80 columns there.
-console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)  # results: stdout
+# Tables go to pipes and logs as often as to terminals: do not squeeze them to 80 columns there (the widest,
+# the demo's 12 columns, needs ~190); COLUMNS, if set, still decides.
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 err_console = Console(stderr=True, soft_wrap=True)  # progress, budgets and notes: stderr, so stdout stays pipeable
 
 
