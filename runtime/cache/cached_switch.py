@@ -21,8 +21,9 @@ Invariants:
   layer's usable slots maps the router's ids through the cache's persistent device table
   (expert -> slot, or n_slots + expert when absent) on the device: no host sync, no Python
   per expert; an absent expert reads the last slot and is flagged (its code >= n_slots) for
-  the pass to repair. The pass holds the layer (no eviction) until it evaluated the
-  forward. A lookahead attached `in_pass` hands its forecast to the pass lazily (read back
+  the pass to repair. A layer whose every expert sits in the slot numbered like it
+  (cache.ids_are_slots, e.g. at a 100% budget) skips the table: its ids are its slots. The
+  pass holds the layer (no eviction) until it evaluated the forward. A lookahead attached `in_pass` hands its forecast to the pass lazily (read back
   with the forward's one sync); a prefetching one makes the pass keep the layer's synced call.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
@@ -113,10 +114,15 @@ class CachedSwitchGLU(nn.Module):
     def lookup(self, x: mx.array, indices: mx.array, device=None) -> tuple[mx.array, mx.array]:
         """The call with slots looked up on the device: (output, codes: slot, or n_slots + expert if absent).
         A routed pass (runtime/decode/route_sync.py) syncs the codes first and reads absent experts."""
-        codes = self._table[indices]
-        if device is not None and self.layer in device.route_layers and device.route(self.layer, indices, codes):
-            codes = self._table[indices]  # its absent experts were read: look up again
-        safe = mx.minimum(codes, self._last_slot)  # absent: any slot; the pass recomputes then
+        if self.cache.ids_are_slots(self.layer):
+            # Every expert sits in the slot of its own number (the layer's slots hold it whole, warmed in order)
+            # and the pass's hold keeps it there: the ids are the slots, none absent; no gather, no clamp.
+            codes = safe = indices
+        else:
+            codes = self._table[indices]
+            if device is not None and self.layer in device.route_layers and device.route(self.layer, indices, codes):
+                codes = self._table[indices]  # its absent experts were read: look up again
+            safe = mx.minimum(codes, self._last_slot)  # absent: any slot; the pass recomputes then
         if indices.size > indices.shape[-1]:  # a window of several tokens
             return window_switch_glu(self._switch, x, safe), codes
         return self._switch(x, safe), codes

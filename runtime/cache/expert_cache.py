@@ -59,6 +59,7 @@ class ExpertCache(ResidentTables):
         self.host_syncs = 0  # router read-backs and device-pass syncs, counted by the callers that make them
         self.active_pass = None  # the device pass building a forward now: its modules look slots up on the device
         self._lock = threading.RLock()
+        self._ids_are_slots: tuple[int, frozenset] = (-1, frozenset())  # (table version, layers) of ids_are_slots()
         self._protected: dict[ExpertKey, int] = {}  # forecast experts pinned until their layer is verified
         self._tickets: dict[ExpertKey, LoadTicket] = {}  # the read filling each loading slot
         self._prefetch_tickets: dict[ExpertKey, LoadTicket] = {}  # those of them that prefetch() queued

@@ -6,7 +6,9 @@ entry (absent -> slot), an eviction writes one (slot -> absent), and nothing is 
 uploaded per step. A forward maps its router's ids through it on the device (codes >= n_slots
 flag the absent experts); the host learns which experts were
 absent at the forward's one sync, reads them all at once (load_absent) and the decoder
-recomputes from the first layer that missed (runtime/decode/device_pass.py).
+recomputes from the first layer that missed (runtime/decode/device_pass.py). A layer whose every
+expert is valid in the slot numbered like it (ids_are_slots: a whole layer warmed in order) needs no
+lookup at all: its codes are the router's ids.
 
 Invariants:
 - No slot a pending (not yet evaluated) device-lookup graph may read is overwritten: the
@@ -50,6 +52,17 @@ class ResidentTables:
                 ls.held -= 1
                 if not ls.held:
                     self._settle_beyond(layer)
+
+    def ids_are_slots(self, layer: int) -> bool:
+        """Whether every expert of `layer` is valid in the slot numbered like it (lookup codes == expert ids,
+        as a warm start leaves a layer whose slots hold all its experts): a device lookup may then use the
+        router's ids as slots, none absent. Recomputed only when some lookup code changed."""
+        with self._lock:
+            if self._ids_are_slots[0] != self.table.version:
+                self._ids_are_slots = (self.table.version, frozenset(
+                    l for l, ls in self.table.layers.items()
+                    if np.array_equal(ls.resident, np.arange(len(ls.resident), dtype=ls.resident.dtype))))
+            return layer in self._ids_are_slots[1]
 
     def is_held(self) -> bool:
         with self._lock:

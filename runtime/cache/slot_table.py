@@ -82,6 +82,7 @@ class SlotTable:
         self.policy_name = policy
         self.evictions = 0  # experts dropped from a valid slot, all layers (evict, trim, clear): while it is
         # unchanged, every expert keeps the slot it had (record_slots() may take slots read earlier as current)
+        self.version = 0  # changes whenever any layer's lookup codes (`resident`) change
         self.layers = {layer: LayerSlots(n_experts[layer], slots[layer], policy, None if resident is None else
                                          resident(layer, LayerSlots.absent_codes(n_experts[layer], slots[layer])))
                        for layer in slots}
@@ -157,6 +158,7 @@ class SlotTable:
             ls.resident[old] = ls.n_slots + old
             ls.stats.evictions += 1
             self.evictions += 1
+            self.version += 1
             if ls.prefetched[slot]:
                 ls.stats.prefetch_wasted += 1
         ls.slot_to_expert[slot] = key.expert
@@ -174,6 +176,7 @@ class SlotTable:
             raise RuntimeError(f"commit({key}): the expert is not loading (slot {int(slot)})")
         ls.state[slot] = VALID
         ls.resident[key.expert] = slot
+        self.version += 1
         if ls.prefetched[slot]:
             ls.stats.prefetch_loaded += 1
 
@@ -186,6 +189,7 @@ class SlotTable:
             ls.stats.prefetch_cancelled += 1
         ls.expert_to_slot[key.expert] = -1
         ls.resident[key.expert] = ls.n_slots + key.expert
+        self.version += 1
         ls.slot_to_expert[slot] = -1
         ls.state[slot] = FREE
         ls.prefetched[slot] = False
@@ -230,6 +234,7 @@ class SlotTable:
             ls.prefetched[slot] = False
         ls.stats.shrink_evictions += len(gone)
         self.evictions += len(gone)
+        self.version += len(gone)
         return len(gone)
 
     def clear(self, layer: int) -> None:
@@ -239,6 +244,7 @@ class SlotTable:
         if (ls.pins > 0).any() or (ls.state == LOADING).any() or ls.held:
             raise RuntimeError(f"layer {layer}: cannot clear while slots are pinned or loading")
         self.evictions += 1
+        self.version += 1
         ls.expert_to_slot[:] = -1
         ls.slot_to_expert[:] = -1
         ls.state[:] = FREE
