@@ -167,7 +167,7 @@ def test_a_routed_layer_that_does_not_look_up_again_is_caught(tiny_dirs, monkeyp
     from runtime.decode.route_sync import RouteSync
 
     real = RouteSync.route
-    monkeypatch.setattr(RouteSync, "route", lambda self, layer, indices, codes: real(self, layer, indices, codes)
+    monkeypatch.setattr(RouteSync, "route", lambda self, layer, indices, codes, ahead=None: real(self, layer, indices, codes, ahead)
                         and False)
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
     try:

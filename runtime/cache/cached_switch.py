@@ -120,8 +120,10 @@ class CachedSwitchGLU(nn.Module):
             codes = safe = indices
         else:
             codes = self._table[indices]
-            if device is not None and self.layer in device.route_layers and device.route(self.layer, indices, codes):
-                codes = self._table[indices]  # its absent experts were read: look up again
+            if device is not None and self.layer in device.route_layers:
+                ahead = device.route_ahead.forecast(self.layer, x) if device.ahead_on else None
+                if device.route(self.layer, indices, codes, ahead):
+                    codes = self._table[indices]  # its absent experts were read: look up again
             safe = mx.minimum(codes, self._last_slot)  # absent: any slot; the pass recomputes then
         if indices.size > indices.shape[-1]:  # a window of several tokens
             return window_switch_glu(self._switch, x, safe), codes

@@ -72,11 +72,14 @@ class _Launch:
 
 class DevicePass(SegmentRepair, NextForward, RouteSync):
     def __init__(self, om, max_repairs: int | None = None, segment: int | str | None = None,
-                 sync_cost: float | None = None, build_next: bool = True, route: bool = True):
+                 sync_cost: float | None = None, build_next: bool = True, route: bool = True,
+                 route_ahead: bool | str | None = None):
         """segment: repair within segments of S decoder layers (runtime/decode/segment_repair.py): None
         never, "auto" when recent repairs make it pay, or S; sync_cost: q of that file (None: measured).
         build_next: launch_next() may build the next token's forward before the pending one's sync
-        (runtime/decode/next_forward.py). route: "auto" may route forwards (runtime/decode/route_sync.py)."""
+        (runtime/decode/next_forward.py). route: "auto" may route forwards (runtime/decode/route_sync.py).
+        route_ahead: whether routed forwards' route syncs prefetch later layers (True/"on", False/"off", or "auto":
+        while reads are slow; runtime/decode/route_ahead.py); None: the model's OffloadConfig.route_ahead."""
         self.om = om
         self.cache = om.cache
         self.modules = om.modules
@@ -102,7 +105,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         self._forward_repairs = 0  # repairs inside this forward (at segment boundaries)
         self._init_segments(segment, sync_cost)
         self._init_next(build_next)
-        self._init_route(route)
+        self._init_route(route, getattr(om, "route_ahead", "auto") if route_ahead is None else route_ahead)
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
@@ -149,6 +152,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         segments = segments and not any(self.modules[l].lookahead is not None for l in self.order)
         routed = self._route_each_layer(n_tokens, segments)  # misses so frequent: each layer syncs before its experts
         self.route_layers, self._routed_reads = (self.lookup_layers if routed else frozenset()), 0
+        self.ahead_on = bool(routed) and self.route_ahead.active()
         self.stats.routed += routed
         self.replay.start(self._boundaries(cache, n_tokens) if segments and not routed else frozenset(),
                           self._boundary)

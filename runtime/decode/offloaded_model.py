@@ -28,6 +28,7 @@ from runtime.cache import CachedSwitchGLU
 from runtime.cache import ExpertCache
 from runtime.decode.families import check_supported, top_k
 from runtime.decode.layer_replay import LayerReplay
+from runtime.decode.route_ahead import ROUTE_AHEAD_MODES
 from runtime.decode.moe_blocks import block_info, match_expert_modules
 from runtime.cache import GovernorConfig, MemoryGovernor
 from runtime.cache import DEFAULT_PREFILL_STEP, ContextGovernor, apply_memory_limit, process_rss, rss_peak_since_last
@@ -54,6 +55,9 @@ class OffloadConfig:
     memory_limit: str | None = None  # --memory-limit: cap on the whole process ("auto", "12GB"); None: none
     drafter_bytes: int = 0  # the drafter's weights, counted against the memory limit
     slot_trace: Path | None = None  # a routing trace of this model: split the budget's slots by miss curves
+    # Routed forwards' route syncs also prefetch the next layers' forecast experts: "auto" (while reads are
+    # slow), "on" or "off" (runtime/decode/route_ahead.py)
+    route_ahead: str = "auto"
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -105,6 +109,7 @@ class OffloadedModel:
         self.lookahead = None  # the attached LookaheadPrefetch (set_lookahead), if any
         # Plain decoding's recent repairs per forward, carried from one generation to the next (segment_repair.py)
         self.decode_repair_rate = 0.0
+        self.route_ahead = "auto"  # OffloadConfig.route_ahead: device passes' default (runtime/decode/route_ahead.py)
         for m in modules.values():
             m.telemetry = telemetry
         # Device passes (runtime/decode/device_pass.py) recompute from a decoder layer after a miss.
@@ -117,6 +122,8 @@ class OffloadedModel:
     @classmethod
     def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
         faults = parse_faults(cfg.inject) if cfg.inject else None  # a bad spec is refused before anything opens
+        if cfg.route_ahead not in ROUTE_AHEAD_MODES:
+            raise ValueError(f"route_ahead={cfg.route_ahead!r}; expected one of {', '.join(ROUTE_AHEAD_MODES)}")
         baseline = process_rss()  # the process before the model: counted against --memory-limit
         store = ExpertStore.open(path, io_mode=cfg.io_mode)
         check_supported(store.config, Path(path) / "config.json")
@@ -166,6 +173,7 @@ class OffloadedModel:
         governor = MemoryGovernor(cache, cfg.governor).start() if cfg.governor is not None else None
         om = cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry, governor)
         om.prefill_step = step
+        om.route_ahead = cfg.route_ahead
         if limit is not None:
             limit = limit.remeasured(process_rss(), store.resident_bytes + cache.nbytes)
             om.memory_limit = limit

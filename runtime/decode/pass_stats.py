@@ -28,6 +28,7 @@ class PassStats:
     routed: int = 0  # forwards whose layers synced their routing before their experts (route_sync.py)
     route_syncs: int = 0  # host syncs those made (one per MoE layer)
     route_reads: int = 0  # experts they read before the layer that needed them ran
+    ahead_prefetched: int = 0  # experts their route syncs queued for later layers (runtime/decode/route_ahead.py)
 
     def to_json(self) -> dict:
         return asdict(self)

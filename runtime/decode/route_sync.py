@@ -27,15 +27,19 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from runtime.decode.route_ahead import RouteAhead
+
 
 class RouteSync:
     """Mixin of DevicePass: uses its cache, stats, flush(), _cur (the build's held layers) and _loaded."""
 
-    def _init_route(self, enabled: bool) -> None:
+    def _init_route(self, enabled: bool, ahead: bool | str = "auto") -> None:
         self.route_enabled = enabled  # False: never routed (segments instead; for comparison)
         self.route_windows = False  # route forwards of several tokens (verify windows); set by their owner
         self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
         self._routed_reads = 0  # layers of the forward being built that read at their route()
+        self.route_ahead = RouteAhead(self.om, ahead)  # route syncs that also prefetch later layers (route_ahead.py)
+        self.ahead_on = False  # whether the forward being built forecasts ahead at its route syncs
 
     def _route_each_layer(self, n_tokens: int, segments: bool) -> bool:
         """Whether this "auto" one-token forward is routed: when a sync per layer (L q, in layer recomputes)
@@ -50,22 +54,31 @@ class RouteSync:
         q, L, r = self.sync_cost, self._n_layers, self.repair_rate
         return s == 1 or L * q <= r * s / 2 + (L / s - 1) * q
 
-    def route(self, layer: int, indices: mx.array, codes: mx.array) -> bool:
+    def route(self, layer: int, indices: mx.array, codes: mx.array, ahead: tuple | None = None) -> bool:
         """Called by a device-mode layer with its lazy codes before its experts run: one host sync; True when
-        absent experts were read (the layer must look up again)."""
-        mx.eval(codes)
+        absent experts were read (the layer must look up again). `ahead`: the router lookahead's lazy forecast
+        of later layers from this layer's input (runtime/decode/route_ahead.py), evaluated with the codes; its
+        absent experts are queued as prefetches after this layer's own reads."""
+        mx.eval(codes, ahead[1] if ahead else [])
         self.cache.host_syncs += 1
         self.stats.route_syncs += 1
-        if max(codes.reshape(-1).tolist()) < self.cache.n_slots(layer):
+        absent = max(codes.reshape(-1).tolist()) >= self.cache.n_slots(layer)
+        if not absent and not ahead:
+            return False
+        keys = self.route_ahead.absent_keys(self.cache, ahead) if ahead else []
+        if not absent and not keys:
             return False
         held = self._cur[3]
         self.flush()  # the previous forward's recency first: it decides what is evicted
         self.cache.release(held)  # everything built so far was evaluated by this sync
         try:
-            for l, (read, nbytes, ms) in self.cache.load_absent({layer: np.unique(np.array(indices))}).items():
-                self._loaded.setdefault(l, []).append((read, nbytes, ms))
-                self.stats.route_reads += len(read)
+            if absent:
+                for l, (read, nbytes, ms) in self.cache.load_absent({layer: np.unique(np.array(indices))}).items():
+                    self._loaded.setdefault(l, []).append((read, nbytes, ms))
+                    self.stats.route_reads += len(read)
+            if keys:  # after this layer's own reads: they would wait behind prefetches holding every I/O thread
+                self.stats.ahead_prefetched += self.route_ahead.queue(self.cache, keys)
         finally:
             self.cache.hold(held)
-        self._routed_reads += 1
-        return True
+        self._routed_reads += absent
+        return absent

@@ -230,13 +230,16 @@ class SpeculativeDecoder:
             return forward()
         before = (self._pass.stats.host_syncs, self._pass.stats.repairs, self._pass.stats.multi_sync)
         if count:
-            # The round's prefetches land first: a forecast expert still loading would read as absent and
-            # cost a repair (a recompute) instead of the same wait.
-            self.stats.settle_ms += self.target.cache.settle_inflight()
             # While most windows miss, each layer syncs its codes before its experts run (route_sync.py): a miss
             # costs its read, no recompute. Windows the forecast usually covers keep their one sync.
             self._pass.route_windows = self._route and self._pass.repair_rate >= ROUTE_WINDOWS_RATE
             self.stats.routed_rounds += self._pass.route_windows
+            if not self._pass.route_windows:
+                # The round's prefetches land first: a forecast expert still loading would read as absent and
+                # cost a repair (a recompute) instead of the same wait. A routed window needs no such wait:
+                # each layer waits at its own route sync for its experts still in flight (promoted to demand;
+                # earlier layers' prefetches are queued first), so later layers' reads overlap earlier compute.
+                self.stats.settle_ms += self.target.cache.settle_inflight()
         out = self._pass.run(forward, self.cache, len(tokens))
         if count:
             self.stats.one_sync_tries += 1
