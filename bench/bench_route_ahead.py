@@ -104,7 +104,8 @@ def main() -> None:
              f"{'CPU ms/tok':>10} {'wait ms/tok':>11} {'demand reads':>12} {'prefetched':>10} {'used':>6} "
              f"{'syncs/tok':>9} {'routed':>6}"]
     out = {}
-    for (budget, ms, v), runs in rows.items():
+    for budget, ms, v in [(b, ms, v) for b in args.budgets.split(",") for ms in latencies for v in VARIANTS]:
+        runs = rows[(budget, ms, v)]
         off = dict(rows[(budget, ms, "off")])
         ratios = [res["tokens_per_s"] / off[key]["tokens_per_s"] for key, res in runs]
         med = lambda k: statistics.median(res[k] for _, res in runs)  # noqa: E731

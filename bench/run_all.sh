@@ -87,6 +87,8 @@ run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompt
 # the tuner's lookahead stage, end to end on fresh copies: direct reads (O_DIRECT, ms per expert) and page-cache reads
 run tune_lookahead bash -c 'for io in direct buffered; do d=$(mktemp -d); cp -r "$0" "$d/target"; echo "== specmoe tune --io-mode $io --budget 25% (a fresh copy of the target)"; specmoe tune -m "$d/target" --draft "$1" --prompts bench/prompts.txt --budget 25% --io-mode $io || exit 1; echo "== specmoe generate with the tuned settings"; specmoe generate -m "$d/target" --draft "$1" --budget 25% -p "The king said" -n 16 2>&1 | grep -i "tuned\|lookahead" | cut -c1-200; done' "$TARGET" "$DRAFT"
 run hotpath python bench/bench_hotpath.py --batches 30
+# routed forwards that prefetch the next layers at their route syncs, off vs on (+1/+2 ms per read: emulated)
+run route_ahead python bench/bench_route_ahead.py --repeats 2
 run decode python bench/bench_decode.py
 run decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50%,25% --trials 5
 run decode_embedded_one_sync_off python bench/bench_decode.py --model "$TARGET" --budgets 100% --trials 5 --one-sync off

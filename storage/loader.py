@@ -12,6 +12,8 @@ Contract:
   retried (bounded, with backoff); with verify_checksums
   a CRC mismatch is re-read once. A request that cannot be served fails its
   ticket with a StoreError naming layer, expert, file and offset.
+- wait_all() reads any of its tickets no I/O thread has started yet on the calling
+  thread (most urgent first) instead of waiting for a thread to wake for it.
 - on_done(ticket) runs exactly once per ticket (done, failed or cancelled) before
   waiters are released, so callers observe the bookkeeping it does.
 """
@@ -141,8 +143,13 @@ class AsyncLoader:
             return ticket
 
     def wait_all(self, tickets: list[LoadTicket]) -> None:
-        """Block until every ticket is done; raise the first error (after all finished)."""
+        """Block until every ticket is done; raise the first error (after all finished). A read no I/O thread
+        has started yet is run by the waiter itself, most urgent first: it would otherwise wait for a thread
+        to wake (~0.1 ms here per hand-off) while the I/O threads take the rest."""
         t0 = time.perf_counter()
+        for t in sorted(tickets, key=lambda t: t.priority):
+            if self._claim(t):
+                self._run(t)
         for t in tickets:
             t._event.wait()
         with self._cv:
@@ -204,12 +211,24 @@ class AsyncLoader:
                     return
                 prio, _, ticket = heapq.heappop(self._heap)
                 if ticket.cancelled or ticket.started or prio != ticket.priority:
-                    continue  # stale heap entry (cancelled, or re-pushed at a new priority)
+                    continue  # stale heap entry (cancelled, started by a waiter, or re-pushed at a new priority)
                 ticket.started = True
-            self._read(ticket)
-            with self._cv:
-                self._inflight.pop(ticket.key, None)
-            self._finish(ticket)
+            self._run(ticket)
+
+    def _claim(self, ticket: LoadTicket) -> bool:
+        """Take a queued ticket for the calling thread (its heap entry goes stale); False if it was taken."""
+        with self._cv:
+            if ticket.started or ticket.cancelled or ticket.done() or self._closed:
+                return False
+            ticket.started = True
+            return True
+
+    def _run(self, ticket: LoadTicket) -> None:
+        """Read a claimed ticket and finish it, on whichever thread claimed it."""
+        self._read(ticket)
+        with self._cv:
+            self._inflight.pop(ticket.key, None)
+        self._finish(ticket)
 
     def _read(self, ticket: LoadTicket) -> None:
         key, cfg = ticket.key, self.config

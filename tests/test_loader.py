@@ -62,9 +62,48 @@ def test_demand_is_served_before_queued_prefetches(store):
     time.sleep(0.05)  # the single thread is now blocked on the first prefetch
     dem = loader.submit(keys[5], _views(store, layer), priority=DEMAND, on_done=lambda t: done_order.append(t.key.expert))
     reader.gate.set()
-    loader.wait_all(pre + [dem])
+    for t in pre + [dem]:  # the thread's own order (wait_all would read queued tickets itself: below)
+        t.wait()
     assert done_order[:2] == [0, 5]  # the read in flight finishes, then the demand jumps the queue
     assert loader.stats.n_demand == 1 and loader.stats.n_prefetch == 5
+    loader.close()
+
+
+class OneGateReader(RangeReader):
+    """Blocks only the read at `offset` until the gate opens; records which thread read what."""
+
+    def __init__(self, offset: int):
+        super().__init__("buffered")
+        self.offset, self.gate, self.by = offset, threading.Event(), {}
+
+    def read(self, path, offset, buffers):
+        if offset == self.offset:
+            self.gate.wait(5)
+        self.by[offset] = threading.current_thread().name
+        return super().read(path, offset, buffers)
+
+
+def test_a_waiter_reads_what_no_thread_has_started(store):
+    """The only I/O thread is stuck on a slow read: wait_all() on a queued demand reads it on the calling thread
+    instead of queueing behind it, most urgent first; the slow read is left to its thread."""
+    layer = store.moe_layers[0]
+    slow, keys = ExpertKey(layer, 0), [ExpertKey(layer, e) for e in (1, 2)]
+    reader = OneGateReader(store.ranges(slow)[0].offset)
+    loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
+    stuck = loader.submit(slow, _views(store, layer), priority=PREFETCH)
+    time.sleep(0.05)  # the thread has started the slow read
+    views = [_views(store, layer) for _ in keys]
+    done = []
+    tickets = [loader.submit(k, v, priority=p, on_done=lambda t: done.append(t.key.expert))
+               for k, v, p in zip(keys, views, (PREFETCH, DEMAND))]
+    loader.wait_all(tickets)
+    assert not stuck.done() and done == [2, 1]  # the demand first, both while the thread is still blocked
+    assert all(reader.by[store.ranges(k)[0].offset] == threading.current_thread().name for k in keys)
+    assert all(b"".join(x.tobytes() for x in v) == _expected(store, k) for k, v in zip(keys, views))
+    reader.gate.set()
+    loader.wait_all([stuck])
+    assert reader.by[store.ranges(slow)[0].offset].startswith("specmoe-io")
+    assert loader.stats.n_requests == 3 and loader.pending() == 0
     loader.close()
 
 
