@@ -105,7 +105,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         self._forward_repairs = 0  # repairs inside this forward (at segment boundaries)
         self._init_segments(segment, sync_cost)
         self._init_next(build_next)
-        self._init_route(route, getattr(om, "route_ahead", "auto") if route_ahead is None else route_ahead)
+        self._init_route(route, getattr(om, "route_ahead", "off") if route_ahead is None else route_ahead)
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:

@@ -56,8 +56,9 @@ class OffloadConfig:
     drafter_bytes: int = 0  # the drafter's weights, counted against the memory limit
     slot_trace: Path | None = None  # a routing trace of this model: split the budget's slots by miss curves
     # Routed forwards' route syncs also prefetch the next layers' forecast experts: "auto" (while reads are
-    # slow), "on" or "off" (runtime/decode/route_ahead.py)
-    route_ahead: str = "auto"
+    # slow), "on" or "off" (runtime/decode/route_ahead.py). Off by default: within the noise on this CPU
+    # (bench/results/route_ahead.txt), and "auto" would make what a run reads depend on the machine's load.
+    route_ahead: str = "off"
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -109,7 +110,7 @@ class OffloadedModel:
         self.lookahead = None  # the attached LookaheadPrefetch (set_lookahead), if any
         # Plain decoding's recent repairs per forward, carried from one generation to the next (segment_repair.py)
         self.decode_repair_rate = 0.0
-        self.route_ahead = "auto"  # OffloadConfig.route_ahead: device passes' default (runtime/decode/route_ahead.py)
+        self.route_ahead = "off"  # OffloadConfig.route_ahead: device passes' default (runtime/decode/route_ahead.py)
         for m in modules.values():
             m.telemetry = telemetry
         # Device passes (runtime/decode/device_pass.py) recompute from a decoder layer after a miss.

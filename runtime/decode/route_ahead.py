@@ -19,9 +19,12 @@ takes its top-k experts per target whose router probability is at least predicto
 DEFAULT_SHARE / E (a wasted read also takes a slot from a useful expert). A layer whose targets' routers
 are not plain (quantized) linears, or whose norms the lookahead cannot rescale, forecasts nothing.
 
-It pays only where reads are slow against those ops: "auto" switches it on while the loader's mean time
-per expert read (storage/loader.py's read_ms over its reads) is at least MIN_READ_MS. On this CPU
-page-cache reads take ~0.05-0.2 ms (off); SSD reads, or emulated latency, turn it on.
+It can pay only where reads are slow against those ops and the prefetch reads' own work:
+OffloadConfig.route_ahead "on", or "auto", which switches it on while the loader's mean time per expert
+read (storage/loader.py's read_ms over its reads) is at least MIN_READ_MS (SSD reads, or emulated
+latency; page-cache reads here take ~0.05-0.2 ms, but a loaded machine stretches them). Off by default:
+on this CPU it measured within the noise with +1/+2 ms per read (bench/results/route_ahead.txt: fewer
+demand reads and less waiting, more CPU for the extra reads on the same two cores).
 
 Invariants: a forecast uses only its source layer's own MoE input and names later layers only; it is
 queued at that layer's route sync (everything built earlier is evaluated, no later layer is built), with
