@@ -91,3 +91,22 @@ def test_the_model_config_sets_the_passes_default(tiny_dirs):
         finally:
             om.close()
     assert OffloadConfig().route_ahead == "off"  # within the noise here; "auto" would depend on the load
+
+
+def test_generate_takes_route_ahead_and_refuses_a_bad_value(tiny_dirs, tmp_path):
+    from tests.conftest import run_cli
+
+    model = str(tiny_dirs["qwen3_moe"])
+    base = ["generate", "-m", model, "-p", "The quick brown fox", "-n", "12", "--budget", "25%", "--raw-prompt"]
+    code, out_off, _ = run_cli(base + ["--json", str(tmp_path / "off.json")])
+    assert code == 0
+    code, out_on, _ = run_cli(base + ["--route-ahead", "on", "--json", str(tmp_path / "on.json")])
+    assert code == 0 and out_on == out_off  # lossless: the same text
+    import json
+
+    off = json.loads((tmp_path / "off.json").read_text())["stats"]
+    on = json.loads((tmp_path / "on.json").read_text())["stats"]
+    assert off["prefetch_reads_per_token"] == 0 and on["prefetch_reads_per_token"] > 0
+    code, out, err = run_cli(base + ["--route-ahead", "sometimes"])
+    assert code != 0 and "--route-ahead 'sometimes'; expected one of auto, on, off" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
