@@ -35,6 +35,11 @@ def _slot_crc(cache, layer, slot) -> int:
 
 
 def _check_table(cache) -> None:
+    with cache._lock:  # I/O threads commit and abort under it: unlocked, a check could see half an abort
+        _check_table_locked(cache)
+
+
+def _check_table_locked(cache) -> None:
     for layer, ls in cache.table.layers.items():
         occupied = np.flatnonzero(ls.slot_to_expert >= 0)
         assert (ls.expert_to_slot[ls.slot_to_expert[occupied]] == occupied).all(), f"layer {layer}: maps not inverse"

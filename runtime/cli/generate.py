@@ -169,7 +169,7 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--kv-bits {kv_bits}; expected 4 or 8 (mlx-lm also takes 2, 3, 5, 6)")
         if draft is not None and (prompt_cache_file is not None or kv_bits is not None):
             raise ValueError(SPECULATIVE_REFUSAL["--prompt-cache" if prompt_cache_file is not None else "--kv-bits"])
-        from runtime.decode.route_ahead import ROUTE_AHEAD_MODES
+        from runtime.decode import ROUTE_AHEAD_MODES
 
         if route_ahead not in ROUTE_AHEAD_MODES:
             raise ValueError(f"--route-ahead {route_ahead!r}; expected one of {', '.join(ROUTE_AHEAD_MODES)}")

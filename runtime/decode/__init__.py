@@ -27,6 +27,7 @@ from runtime.decode.speculative import SpecConfig, SpecStats, SpeculativeDecoder
 from runtime.decode.speculative_run import release_drafter, run_speculative, speculative_decoder
 from runtime.decode.taps import HiddenTaps
 from runtime.decode.layer_replay import LayerReplay
+from runtime.decode.route_ahead import ROUTE_AHEAD_MODES, RouteAhead
 
 __all__ = [
     "common_prefix",
@@ -36,5 +37,5 @@ __all__ = [
     "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens",
     "SpecConfig", "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter",
     "stream_tokens", "HiddenTaps", "Sampling", "accept_greedy", "accept_sampled", "probabilities", "sample", "DraftLength",
-    "LayerReplay",
+    "LayerReplay", "ROUTE_AHEAD_MODES", "RouteAhead",
 ]
