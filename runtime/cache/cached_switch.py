@@ -23,8 +23,9 @@ Invariants:
   per expert; an absent expert reads the last slot and is flagged (its code >= n_slots) for
   the pass to repair. A layer whose every expert sits in the slot numbered like it
   (cache.ids_are_slots, e.g. at a 100% budget) skips the table: its ids are its slots. The
-  pass holds the layer (no eviction) until it evaluated the forward. A lookahead attached `in_pass` hands its forecast to the pass lazily (read back
-  with the forward's one sync); a prefetching one makes the pass keep the layer's synced call.
+  pass holds the layer (no eviction) until it evaluated the forward. A lookahead attached
+  `in_pass` hands its forecast to the pass lazily (read back with the forward's one sync); a
+  prefetching one makes the pass keep the layer's synced call.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
   else the stock SwitchGLU, as single tokens do.

@@ -17,6 +17,10 @@ up again. Nothing can evict between that lookup and the forward's sync (the hold
 S counts a routed forward's layers that read (each would have been a repair at S = 1), so the choice holds
 while misses stay that frequent.
 
+With route-ahead on (runtime/decode/route_ahead.py), a route sync also reads back the router lookahead's
+forecast of the next layers, computed from this layer's input, and queues the forecast experts that have
+no slot as prefetches after this layer's own reads, inside the same release of the hold.
+
 Invariants: a routed layer runs only on codes that name resident experts, so the forward's own sync finds
 none absent and it repairs nothing; the codes recorded for the pass are the ones the layer ran with; reads
 happen only with no graph pending that reads a slot (the hold is released exactly around them).
@@ -33,7 +37,7 @@ from runtime.decode.route_ahead import RouteAhead
 class RouteSync:
     """Mixin of DevicePass: uses its cache, stats, flush(), _cur (the build's held layers) and _loaded."""
 
-    def _init_route(self, enabled: bool, ahead: bool | str = "auto") -> None:
+    def _init_route(self, enabled: bool, ahead: bool | str = "off") -> None:
         self.route_enabled = enabled  # False: never routed (segments instead; for comparison)
         self.route_windows = False  # route forwards of several tokens (verify windows); set by their owner
         self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
