@@ -110,3 +110,26 @@ def test_generate_takes_route_ahead_and_refuses_a_bad_value(tiny_dirs, tmp_path)
     code, out, err = run_cli(base + ["--route-ahead", "sometimes"])
     assert code != 0 and "--route-ahead 'sometimes'; expected one of auto, on, off" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_chat_and_serve_take_route_ahead_too(tiny_dirs, command):
+    from tests.conftest import run_cli
+
+    code, out, _ = run_cli([command, "--help"])
+    assert code == 0 and "--route-ahead" in out
+    code, _, err = run_cli([command, "-m", str(tiny_dirs["qwen3_moe"]), "--route-ahead", "sometimes"])
+    assert code != 0 and "--route-ahead 'sometimes'; expected one of auto, on, off" in err
+    assert "Traceback" not in err
+
+
+def test_the_long_running_commands_load_the_engine_with_it(tiny_dirs):
+    """chat and serve load through load_engine: the setting reaches the model (device passes' default)."""
+    from runtime.cli.engine_options import load_engine
+
+    engine = load_engine(tiny_dirs["qwen3_moe"], budget="25%", draft=None, route_ahead="on")
+    try:
+        assert engine.model.route_ahead == "on"
+    finally:
+        engine.close()
+

@@ -91,6 +91,7 @@ def register(app: typer.Typer) -> None:
         cutoff: int = opt.cutoff_option(),
         policy: str = opt.policy_option(),
         one_sync: str = typer.Option("auto", "--one-sync", help="One-host-sync decode steps: auto, on or off."),
+        route_ahead: str = opt.route_ahead_option(),
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),
     ):
@@ -100,7 +101,7 @@ def register(app: typer.Typer) -> None:
         if one_sync not in ("auto", "on", "off"):
             raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
         engine = load_engine(model, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
-                             cutoff=cutoff, policy=policy, governor=governor)
+                             cutoff=cutoff, policy=policy, governor=governor, route_ahead=route_ahead)
         try:
             sampling = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
             session = ChatSession(Backend(engine, one_sync=one_sync, prompt_cache_size=1), sampling, system_prompt)

@@ -127,11 +127,7 @@ def register(app: typer.Typer) -> None:
         slots_from_trace: Path = typer.Option(None, "--slots-from-trace",
                                               help="Routing trace of this model (specmoe profile --trace): split the "
                                                    "cache's slots over layers by their miss curves (same total)."),
-        route_ahead: str = typer.Option("off", "--route-ahead",
-                                        help="Routed decode steps (frequent misses) also prefetch the next two layers' "
-                                             "forecast experts at each layer's sync: off, on, or auto (on while reads "
-                                             "take >= 0.25 ms each, as from an SSD). Measured within the noise on a "
-                                             "2-core CPU; for slow disks."),
+        route_ahead: str = opt.route_ahead_option(),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
@@ -169,10 +165,7 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--kv-bits {kv_bits}; expected 4 or 8 (mlx-lm also takes 2, 3, 5, 6)")
         if draft is not None and (prompt_cache_file is not None or kv_bits is not None):
             raise ValueError(SPECULATIVE_REFUSAL["--prompt-cache" if prompt_cache_file is not None else "--kv-bits"])
-        from runtime.decode import ROUTE_AHEAD_MODES
-
-        if route_ahead not in ROUTE_AHEAD_MODES:
-            raise ValueError(f"--route-ahead {route_ahead!r}; expected one of {', '.join(ROUTE_AHEAD_MODES)}")
+        opt.check_route_ahead(route_ahead)
         if warm is not None and not warm.is_file():
             raise ValueError(f"--warm {warm}: no such file; expected a routing trace (.smtrace) or a JSON of expert_counts")
         engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,

@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
                                               help="Conversations whose KV cache is kept for reuse (plain "
                                                    "decoding; each holds its context's KV)."),
         one_sync: str = typer.Option("auto", "--one-sync", help="One-host-sync decode steps: auto, on or off."),
+        route_ahead: str = opt.route_ahead_option(),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct "
                                                                   "(O_DIRECT/F_NOCACHE)."),
         threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
@@ -71,5 +72,6 @@ def register(app: typer.Typer) -> None:
 
             return serve_pipeline({**locals(), "model": path, "verify": True, "max_prefetch_mb": None}, config)
         engine = load_engine(path, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
-                             cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor)
+                             cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor,
+                             route_ahead=route_ahead)
         run_server(engine, config, log=lambda line: err_console.print(line, highlight=False, markup=False))
