@@ -101,7 +101,7 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
          memory_limit: str | None = "auto", context_tokens: int = 4096,
          adaptive_k: bool = True, lookahead: int | None = None, lookahead_experts: int | None = None,
-         slot_trace: str | Path | None = None, route_ahead: str = "off") -> Engine:
+         slot_trace: str | Path | None = None, route_ahead: str | None = None) -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
@@ -115,12 +115,14 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     `slot_trace`: a routing trace of this model (`specmoe profile --trace`); the budget's slots are then split
     over layers by their miss curves instead of equally (same total).
     `route_ahead` ("off", "on", "auto"): routed decode steps also prefetch the next layers' forecast experts at
-    each layer's sync (runtime/decode/route_ahead.py; "auto": while reads take >= 0.25 ms each).
+    each layer's sync (runtime/decode/route_ahead.py; "auto": while reads take >= 0.25 ms each); None: the tuned
+    setting with a drafter, else off.
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     notes = []
     settings = None
-    from runtime.tune import resolve_lookahead
+    from runtime.tune import resolve_lookahead, resolve_route_ahead
 
+    route_ahead = resolve_route_ahead(Path(model), Path(draft) if draft else None, budget, route_ahead)
     lookahead, lookahead_experts = resolve_lookahead(Path(model), Path(draft) if draft else None, budget, lookahead,
                                                      lookahead_experts)
     if draft is not None:

@@ -106,3 +106,9 @@ def test_tune_measures_the_lookahead_and_emulated_reads_are_labelled(pair, tmp_p
     ran = {(s["lookahead"], s["lookahead_experts"]) for s in settings if s["lookahead"]}
     assert len(ran) == 3 or report["chosen"]["cutoff"] >= n_layers, settings
     assert "lookahead j/m" in stdout and ("lookahead off" in stdout or "layer(s) ahead" in stdout)
+    # Route-ahead for the verify windows' route syncs is measured too, and kept only if it pays (5c).
+    assert any(s["route_ahead"] for s in settings) and "route-ahead" in stdout
+    if report["chosen"]["route_ahead"]:  # kept: it measured faster than the same setting without it
+        twin = {**report["chosen"], "route_ahead": False}
+        tps = {json.dumps(m["setting"], sort_keys=True): m["tokens_per_s"] for m in report["measured"]}
+        assert tps[json.dumps(report["chosen"], sort_keys=True)] > tps.get(json.dumps(twin, sort_keys=True), 0.0)

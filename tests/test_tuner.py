@@ -113,6 +113,35 @@ def test_lookahead_kept_only_when_it_pays_and_old_tuning_files_still_load(tmp_pa
     assert setting == Setting(2, "spmoe", 3, "lru") and setting.lookahead == 0
 
 
+def test_route_ahead_kept_only_when_it_pays_and_resolved_for_generate(tmp_path):
+    from runtime.tune.settings import resolve_route_ahead
+
+    off = Measurement(Setting(2, "spmoe", 3, "dlfu"), 10.0, 1.0, 0.0, 0.0, 0.5, 0.5)
+    near = Measurement(Setting(2, "spmoe", 3, "dlfu", route_ahead=True), 10.2, 0.6, 1.0, 0.5, 0.5, 0.5)
+    assert choose([off, near]).setting == off.setting  # within the noise: the simpler one, route-ahead off
+    fast = Measurement(Setting(2, "spmoe", 3, "dlfu", route_ahead=True), 11.5, 0.6, 1.0, 0.5, 0.5, 0.5)
+    assert choose([off, fast]).setting.route_ahead
+    # resolve_route_ahead: the flag wins, else the tuned setting (speculative only), else off; entries written
+    # before the field existed load with it off.
+    model, draft = tmp_path / "m", tmp_path / "d"
+    for d in (model, draft):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": d.name}))
+    from predictor.projection import config_digest
+
+    key = tuning_key(config_digest({"model_type": "m"}), config_digest({"model_type": "d"}), "25%")
+    save_tuning(model, key, choose([off, fast]), [off, fast])
+    assert resolve_route_ahead(model, draft, "25%", None) == "on"
+    assert resolve_route_ahead(model, draft, "25%", "off") == "off"
+    assert resolve_route_ahead(model, None, "25%", None) == "off"  # plain decoding: never tuned
+    assert resolve_route_ahead(model, draft, "50%", None) == "off"  # no entry for this budget
+    data = json.loads((model / "tuning.json").read_text())
+    for e in data["entries"]:
+        e["setting"].pop("route_ahead")
+    (model / "tuning.json").write_text(json.dumps(data))
+    assert resolve_route_ahead(model, draft, "25%", None) == "off"
+
+
 def _repeated(cutoff, tps, lo, hi, predictor="spmoe"):
     from dataclasses import replace
 

@@ -12,7 +12,7 @@ __all__ = ["load_engine"]
 
 def load_engine(model: Path, *, budget: str, draft: Path | None, num_draft: int | None = None,
                 predictor: str | None = None, cutoff: int | None = None, policy: str | None = None,
-                io_mode: str = "buffered", threads: int = 4, governor: bool = True, route_ahead: str = "off"):
+                io_mode: str = "buffered", threads: int = 4, governor: bool = True, route_ahead: str | None = None):
     """runtime.api.load with the CLI's checks; prints the budget plan and where settings came from."""
     from runtime import load
     from runtime.cli.generate import describe_plan

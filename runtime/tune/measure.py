@@ -65,7 +65,8 @@ class SettingRunner:
         facts = {"draft_ms_per_round": [], "load_ms_per_expert": [], "verify_ms_per_round": []}
         for prompt in w.prompts:
             om = OffloadedModel.load(w.model, OffloadConfig(budget=w.budget, policy=s.policy, io_mode=w.io_mode,
-                                                            threads=w.threads, inject=w.inject, trace=True))
+                                                            threads=w.threads, inject=w.inject, trace=True,
+                                                            route_ahead="on" if s.route_ahead else "off"))
             try:
                 ids = list(om.tokenizer.encode(prompt))
                 _, st, layers = run_speculative(om, w.draft, ids, max_tokens=w.max_tokens, num_draft=s.num_draft,

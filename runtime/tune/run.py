@@ -7,6 +7,8 @@ Stages (each measured on the same prompts with fresh caches):
 3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LRU instead of the default policy;
 5b. the router lookahead for the layers past the cutoff: 1 or 2 layers ahead, k or 2k experts per
     token (kept only if it is measurably faster: choose() prefers it off within noise);
+5c. route-ahead: routed verify windows also prefetch the next layers' forecast at each layer's sync
+    (runtime/decode/route_ahead.py; kept only if measurably faster, as 5b);
 6. the three fastest settings and the baseline (prefetch off) measured twice more, interleaved
    (their median counts, their min-max is the noise band tuner.choose() compares): whether
    prefetch pays is decided on repeated passes of both sides, never on one pass of the baseline.
@@ -17,7 +19,7 @@ does not apply: stages 2 and 4 are skipped and the report says so.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from predictor.projection import config_digest
@@ -47,7 +49,8 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
             if any(m.setting == s for m in measured):
                 return
             bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy} "
-                                         f"lookahead {s.lookahead}/{s.lookahead_experts}")
+                                         f"lookahead {s.lookahead}/{s.lookahead_experts} "
+                                         f"route-ahead {'on' if s.route_ahead else 'off'}")
             m, facts = runner.measure(s)
             measured.append(m)
             return facts
@@ -84,6 +87,8 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         if best.cutoff < n and not holds_all:  # layers past the cutoff: does the router lookahead pay, how far ahead?
             for j, m in ((1, k), (2, k), (1, 2 * k)):
                 run(Setting(best.cutoff, best.predictor, best.num_draft, best.policy, j, m))
+        if not holds_all:  # misses left in verify windows: does prefetching ahead at their route syncs pay?
+            run(replace(choose(measured).setting, route_ahead=True))
         # One pass per setting is noisy on a shared machine: measure the finalists again, interleaved,
         # and decide on the median of all their passes.
         finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]
@@ -105,6 +110,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
     console.print(table(sorted(measured, key=lambda m: m.setting.simplicity()), "tuning measurements"))
     c = choice.setting
     ahead = f"lookahead {c.lookahead} layer(s) ahead, {c.lookahead_experts or k} experts/token" if c.lookahead else "lookahead off"
+    ahead += ", route-ahead on" if c.route_ahead else ", route-ahead off"
     console.print(f"chosen: cutoff {c.cutoff}, predictor {c.predictor}, K={c.num_draft}, policy {c.policy}, {ahead} — "
                   f"{choice.reason}", highlight=False)
     err_console.print(f"wrote {path}")

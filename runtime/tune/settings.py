@@ -36,6 +36,16 @@ def resolve_settings(model: Path, draft: Path, budget: str, num_draft, predictor
     return out["num_draft"], out["predictor"], out["cutoff"], out["policy"], note
 
 
+def resolve_route_ahead(model: Path, draft: Path | None, budget: str, route_ahead: str | None) -> str:
+    """"off", "on" or "auto": the flag if given, else the tuned setting for this model, drafter, budget and
+    machine (speculative only: `specmoe tune` measures it on verify windows), else off."""
+    if route_ahead is not None or draft is None:
+        return route_ahead or "off"
+    key = tuning_key(config_digest(_config(model)), config_digest(_config(draft)), budget)
+    tuned, _ = load_tuning(model, key)
+    return "on" if tuned is not None and tuned.route_ahead else "off"
+
+
 def resolve_lookahead(model: Path, draft: Path | None, budget: str, lookahead, lookahead_experts) -> tuple[int, int | None]:
     """(lookahead distance, experts per token or None for k): the flags if given, else the tuned setting
     for this model, drafter, budget and machine (speculative only), else off."""
