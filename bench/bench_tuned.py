@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime.checkpoints import embedded_pair  # noqa: E402
 from runtime.observe import read_prompts  # noqa: E402
 from runtime.tune import SettingRunner, Workload  # noqa: E402
-from runtime.tune import resolve_settings  # noqa: E402
+from runtime.tune import resolve_lookahead, resolve_route_ahead, resolve_settings  # noqa: E402
 from runtime.tune import Setting  # noqa: E402
 
 
@@ -45,10 +45,12 @@ def main() -> None:
     k, pred, cut, pol, note = resolve_settings(model, draft, args.budget, None, None, None, None)
     if note is None or not note.startswith("using tuned"):
         raise SystemExit(f"no tuning for this pair and budget ({note}); run specmoe tune first")
-    tuned = Setting(cut if cut is not None else -1, pred, k, pol)
+    la, la_m = resolve_lookahead(Path(model), Path(draft), args.budget, None, None)
+    ra = resolve_route_ahead(Path(model), Path(draft), args.budget, None) == "on"
+    tuned = Setting(cut if cut is not None else -1, pred, k, pol, la, la_m or 0, ra)
     data = json.loads((Path(model) / "tuning.json").read_text())
     swept = {Setting(m["cutoff"], m["predictor"], m["num_draft"], m["policy"], m.get("lookahead", 0),
-                     m.get("lookahead_experts", 0))
+                     m.get("lookahead_experts", 0), m.get("route_ahead", False))
              for e in data["entries"] for m in e["measured"]}
     settings = [tuned] + sorted(swept - {tuned}, key=lambda s: s.simplicity())
     runner = SettingRunner(Workload(model, draft, args.budget, read_prompts(args.prompts), args.max_tokens, args.io_mode))
@@ -65,7 +67,7 @@ def main() -> None:
     print(f"{note}\nbudget {args.budget}; {args.trials} interleaved trials (every setting once per trial, fresh order); "
           f"tok/s: median [min-max]; vs tuned: median [min-max] of per-trial ratios; load average "
           f"{load0[0]:.1f} before, {load1[0]:.1f} after")
-    print(f"{'setting':<36}{'tok/s [min-max]':>22}{'vs tuned [min-max]':>22}{'misses/tok':>11}  verdict")
+    print(f"{'setting':<48}{'tok/s [min-max]':>22}{'vs tuned [min-max]':>22}{'misses/tok':>11}  verdict")
     rows = []
     for s in settings:
         tps = statistics.median(samples[s])
@@ -80,11 +82,12 @@ def main() -> None:
         else:
             verdict = "within the noise"
         la = f" la={s.lookahead}x{s.lookahead_experts or 'k'}" if s.lookahead else ""
+        la += " route-ahead" if s.route_ahead else ""
         label = ("TUNED " if s == tuned else "") + f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}{la}"
         rows.append({"setting": label, "tokens_per_s": tps, "tokens_per_s_min": min(samples[s]),
                      "tokens_per_s_max": max(samples[s]), "ratio_vs_tuned": r, "ratio_min": lo, "ratio_max": hi,
                      "misses_per_token": statistics.median(misses[s]), "verdict": verdict, "trials": samples[s]})
-        print(f"{label:<36}{f'{tps:.1f} [{min(samples[s]):.1f}-{max(samples[s]):.1f}]':>22}"
+        print(f"{label:<48}{f'{tps:.1f} [{min(samples[s]):.1f}-{max(samples[s]):.1f}]':>22}"
               f"{f'{r:.3f} [{lo:.2f}-{hi:.2f}]':>22}{statistics.median(misses[s]):>11.2f}  {verdict}")
     beaten = [r["setting"] for r in rows if r["verdict"].startswith("FASTER")]
     holds = not beaten
