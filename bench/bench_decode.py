@@ -10,7 +10,9 @@ memory copy. Targets (issue 14): >= 0.97x at 100%, 0.92x at 50%, 0.8x at 25%.
 Variants, all greedy on the same prompts, files hot (one warmup run first):
 stock mlx-lm fully resident, and specmoe at 100%, 50% and 25% budgets ("next off": the same
 without building forward n+1 before forward n's sync, runtime/decode/next_forward.py; "route off": auto
-with segment repairs only, no routed forwards, runtime/decode/route_sync.py). Ratios are per
+with segment repairs only, no routed forwards, runtime/decode/route_sync.py; "staged off": auto whose
+routed forwards sync as they are built, with no next forward built between their route syncs,
+runtime/decode/paced_build.py). Ratios are per
 trial against the stock run of the same trial (interleaved), reported as median and
 min-max. Prints a table and ends with one JSON line.
 """
@@ -49,7 +51,7 @@ def _counters(om) -> dict:
 
 
 def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto",
-               build_next: bool = True, route: bool = True) -> tuple[float, dict]:
+               build_next: bool = True, route: bool = True, staged: bool = True) -> tuple[float, dict]:
     """Decode tok/s over PROMPTS (all decoded tokens / all decode time); per decoded token: misses,
     MB read, host syncs, repairs."""
     elapsed, cpu, decoded, totals = 0.0, 0.0, 0, {"misses": 0, "bytes_read": 0, "host_syncs": 0, "repairs": 0}
@@ -61,7 +63,8 @@ def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto",
             from runtime.decode import DevicePass
 
             warm_start(om)
-            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next, route=route)
+            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next, route=route,
+                            staged=staged)
             gen = offloaded_generate_step(om, ids, max_tokens=n_tokens, sampler=sampler, device_pass=dp,
                                           after_prefill=om.cache.settle_inflight)
         else:
@@ -106,6 +109,10 @@ def main() -> None:
     ap.add_argument("--route-off", default="50%,25%",
                     help="comma list of budgets that also run \"auto\" without routed forwards (segments only; "
                          "runtime/decode/route_sync.py); empty: none")
+    ap.add_argument("--staged-off", default="50%,25%",
+                    help="comma list of budgets that also run \"auto\" with routed forwards that sync as they are "
+                         "built, no next forward built between their route syncs (runtime/decode/paced_build.py); "
+                         "empty: none")
     ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
     args = ap.parse_args()
     modes = args.one_sync.split(",")
@@ -118,31 +125,34 @@ def main() -> None:
                                        hidden=256, expert_hidden=256)
         next_off = [b for b in args.next_off.split(",") if b]
         route_off = [b for b in args.route_off.split(",") if b]
-        variants = [("stock", None, None, True, True)]
+        staged_off = [b for b in args.staged_off.split(",") if b]
+        variants = [("stock", None, None, True, True, True)]
         for b in args.budgets.split(","):  # at 100% there is no repair: the modes but "off" run alike
             for m in (modes[:1] if b == "100%" and "off" not in modes else modes):
                 name = f"specmoe {b}" + (f" {m}" if len(modes) > 1 and b != "100%" else "")
-                variants.append((name, b, m, True, True))
+                variants.append((name, b, m, True, True, True))
                 if b in next_off and m != "off":
-                    variants.append((name + " next off", b, m, False, True))
+                    variants.append((name + " next off", b, m, False, True, True))
                 if b in route_off and m == "auto":
-                    variants.append((name + " route off", b, m, True, False))
+                    variants.append((name + " route off", b, m, True, False, True))
+                if b in staged_off and m == "auto":
+                    variants.append((name + " staged off", b, m, True, True, False))
         loaded = {}
-        for name, budget, mode, build_next, route in variants:
+        for name, budget, mode, build_next, route, staged in variants:
             if budget is None:
                 model, tok = load(str(path))
-                loaded[name] = (model, tok, None, None, True, True)
+                loaded[name] = (model, tok, None, None, True, True, True)
             else:
                 om = OffloadedModel.load(path, OffloadConfig(budget=budget))
-                loaded[name] = (om.model, om.tokenizer, om, mode, build_next, route)
-        for model, tok, om, mode, build_next, route in loaded.values():  # warmup: files hot, kernels built
-            decode_tps(model, tok, 8, om, mode, build_next, route)
+                loaded[name] = (om.model, om.tokenizer, om, mode, build_next, route, staged)
+        for model, tok, om, mode, build_next, route, staged in loaded.values():  # warmup: files hot, kernels built
+            decode_tps(model, tok, 8, om, mode, build_next, route, staged)
         samples = {name: [] for name, *_ in variants}
         io = {}
         for _ in range(args.trials):  # interleave variants so drift hits all alike
             for name, *_ in variants:
-                model, tok, om, mode, build_next, route = loaded[name]
-                tps, per = decode_tps(model, tok, args.tokens, om, mode, build_next, route)
+                model, tok, om, mode, build_next, route, staged = loaded[name]
+                tps, per = decode_tps(model, tok, args.tokens, om, mode, build_next, route, staged)
                 samples[name].append(tps)
                 io.setdefault(name, []).append(per)
         expert_mb = None

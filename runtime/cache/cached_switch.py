@@ -123,7 +123,10 @@ class CachedSwitchGLU(nn.Module):
             codes = self._table[indices]
             if device is not None and self.layer in device.route_layers:
                 ahead = device.route_ahead.forecast(self.layer, x) if device.ahead_on else None
-                if device.route(self.layer, indices, codes, ahead):
+                if device.route_staged:
+                    device.stage(self.layer, indices, codes, ahead)
+                    codes = self._table[indices]  # a node of its own: it runs after this layer's route sync
+                elif device.route(self.layer, indices, codes, ahead):
                     codes = self._table[indices]  # its absent experts were read: look up again
             safe = mx.minimum(codes, self._last_slot)  # absent: any slot; the pass recomputes then
         if indices.size > indices.shape[-1]:  # a window of several tokens

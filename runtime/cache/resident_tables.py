@@ -60,8 +60,9 @@ class ResidentTables:
         with self._lock:
             if self._ids_are_slots[0] != self.table.version:
                 self._ids_are_slots = (self.table.version, frozenset(
-                    l for l, ls in self.table.layers.items()
-                    if np.array_equal(ls.resident, np.arange(len(ls.resident), dtype=ls.resident.dtype))))
+                    l for l, ls in self.table.layers.items()  # fewer usable slots than experts: never (and cheap)
+                    if ls.usable >= len(ls.resident)
+                    and np.array_equal(ls.resident, np.arange(len(ls.resident), dtype=ls.resident.dtype))))
             return layer in self._ids_are_slots[1]
 
     def is_held(self) -> bool:

@@ -22,6 +22,8 @@ forecast rides on that sync and is queued before the layer's own reads); one att
 folded in: the layer looks up on the device, its forecast of later layers is built in the same graph,
 read back with the same sync and scored, and if its hook asks (in_repairs) a repair also reads the
 forecast experts of the layers after the first missing one (runtime/decode/lookahead_pass.py).
+A routed one-token forward may be staged instead: built whole, its layers' route syncs run by finish()
+while the next forward is built a layer at a time (runtime/decode/route_sync.py, paced_build.py).
 Hook for forecasters (prefetch): each of om.forward_hooks is called with the accepted
 forward's routing {layer: ids (T, k)} right after its sync, before the next forward is built --
 the one moment no device-lookup graph is pending, so prefetches queued there may evict.
@@ -39,13 +41,14 @@ holds are released when launch()/finish() return or raise.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
+from runtime.decode.forward_calls import ForwardCalls
 from runtime.decode.lookahead_pass import PassForecasts
 from runtime.decode.next_forward import NextForward
 from runtime.decode.pass_stats import PassStats
@@ -66,20 +69,25 @@ class _Launch:
     packed: mx.array | None
     layers: list  # MoE layers looked up on the device in this build, in packing order
     shapes: list  # their ids' shapes
-    held: frozenset
-    started: float  # perf_counter() when its build began
+    held: frozenset  # the layers it holds now (a staged forward: from its first route sync to its sync)
+    started: float  # perf_counter() when its build began (a paced build: when it became the pending forward)
+    stages: list = field(default_factory=list)  # a staged forward's (layer, indices, codes, ahead), in layer order
+    route: tuple = (frozenset(), False, False)  # (route layers, route-ahead on, staged) it was built with
+    to_hold: frozenset = frozenset()  # a staged forward's layers, held by its sync
 
 
-class DevicePass(SegmentRepair, NextForward, RouteSync):
+class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
     def __init__(self, om, max_repairs: int | None = None, segment: int | str | None = None,
                  sync_cost: float | None = None, build_next: bool = True, route: bool = True,
-                 route_ahead: bool | str | None = None):
+                 route_ahead: bool | str | None = None, staged: bool = True):
         """segment: repair within segments of S decoder layers (runtime/decode/segment_repair.py): None
         never, "auto" when recent repairs make it pay, or S; sync_cost: q of that file (None: measured).
         build_next: launch_next() may build the next token's forward before the pending one's sync
         (runtime/decode/next_forward.py). route: "auto" may route forwards (runtime/decode/route_sync.py).
         route_ahead: whether routed forwards' route syncs prefetch later layers (True/"on", False/"off", or "auto":
-        while reads are slow; runtime/decode/route_ahead.py); None: the model's OffloadConfig.route_ahead."""
+        while reads are slow; runtime/decode/route_ahead.py); None: the model's OffloadConfig.route_ahead.
+        staged: routed one-token forwards are built whole and synced by finish() while the next one is built
+        (runtime/decode/paced_build.py; with build_next); False: they sync as they are built."""
         self.om = om
         self.cache = om.cache
         self.modules = om.modules
@@ -106,6 +114,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         self._init_segments(segment, sync_cost)
         self._init_next(build_next)
         self._init_route(route, getattr(om, "route_ahead", "off") if route_ahead is None else route_ahead)
+        self.stage_routes = staged
 
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
@@ -151,22 +160,32 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         # the repair's reads (runtime/decode/lookahead_pass.py); prefetching ones keep synced calls anyway.
         segments = segments and not any(self.modules[l].lookahead is not None for l in self.order)
         routed = self._route_each_layer(n_tokens, segments)  # misses so frequent: each layer syncs before its experts
-        self.route_layers, self._routed_reads = (self.lookup_layers if routed else frozenset()), 0
-        self.ahead_on = bool(routed) and self.route_ahead.active()
+        self._routed_reads = 0
+        # A routed one-token forward is staged when next forwards may be built: built whole, synced layer by layer
+        # by finish() while the next one is built (runtime/decode/paced_build.py). Windows sync as they build.
+        route = self._route_config(routed, staged=routed and n_tokens == 1 and self.build_next and self.stage_routes)
         self.stats.routed += routed
         self.replay.start(self._boundaries(cache, n_tokens) if segments and not routed else frozenset(),
                           self._boundary)
         try:
-            self._launch = self._build(forward, cache, n_tokens, snapshot)
+            self._launch = self._build(forward, cache, n_tokens, snapshot, route)
         except BaseException:
             self.replay.stop()
             raise
         self.stats.passes += 1
 
-    def _build(self, forward, cache, n_tokens, snapshot) -> _Launch:
+    def _build(self, forward, cache, n_tokens, snapshot, route: tuple, queue: bool = True) -> _Launch:
+        """Build forward() in device mode. `route`: _route_config()'s. `queue`: evaluate it (a staged forward: up
+        to its first route sync) as soon as it is built; a paced build is queued when it becomes pending."""
         started = time.perf_counter()
-        held = self.lookup_layers
+        self.route_layers, self.ahead_on, self.route_staged = route
+        staged = route[2]
+        # Nothing of a staged forward runs before finish() holds its layers: building it holds none (the pending
+        # forward's reads, between its route syncs, may evict in any layer while this one is built).
+        to_hold = self.lookup_layers
+        held = frozenset() if staged else to_hold
         self._records, self._seg_start, self._cur = [], 0, (cache, snapshot, n_tokens, held)
+        self._stages = []
         self.cache.hold(held)
         try:
             self.cache.active_pass = self  # every module of the model looks up on the device now
@@ -177,14 +196,19 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
             layers = [l for l, _, _ in self._records]
             shapes = [tuple(i.shape) for _, i, _ in self._records]
             packed = self._pack(self._records) if self._records else None
-            mx.async_eval(out, [] if packed is None else packed, self.ahead.arrays())
+            stages = self._stages
+            if not staged:
+                mx.async_eval(out, [] if packed is None else packed, self.ahead.arrays())
+            elif queue and stages:  # only up to the first route sync: no layer's experts run before its reads
+                self._queue_first_stage(stages)
         except BaseException:
             self.cache.release(held)
             raise
         finally:
-            self._records, self._cur = [], None
+            self._records, self._cur, self._stages = [], None, []
         self.stats.layer_calls += len(layers)
-        return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held, started)
+        return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held, started, stages, route,
+                       to_hold if staged else frozenset())
 
     @staticmethod
     def _pack(records: list) -> mx.array:
@@ -197,10 +221,18 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
     def _sync(self, launch: _Launch) -> list[int]:
         """The host sync of a built forward; returns the MoE layers with an absent expert."""
         try:
+            if launch.stages:  # staged: its route syncs first, each before its layer's experts run
+                self.cache.hold(launch.to_hold)
+                launch.held = launch.to_hold
+                self.run_stages(launch.stages, launch.held)
+            if self._pacer is not None:  # the next forward's last layers are built while this one ends
+                mx.async_eval(launch.out, [] if launch.packed is None else launch.packed)
+                self._complete_pacer()
             mx.eval(launch.out, [] if launch.packed is None else launch.packed, self.ahead.arrays())  # one sync
             self._mark = self.cache.eviction_mark()  # still held: the codes name the experts' slots now
         finally:
             self.cache.release(launch.held)
+            launch.held = frozenset()
         self.cache.host_syncs += 1
         self.ahead.after_sync()
         if launch.packed is None:
@@ -244,9 +276,9 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         self._note_repairs(launch.n_tokens, repairs + self._routed_reads)
         if not repairs and not self._routed_reads and launch.n_tokens == 1 and self.segment == "auto":
             # q's layer time (segment_repair.py): a forward that read nothing, less the syncs inside it
-            inner = self.stats.boundary_syncs - self._bsyncs0 + (len(self.route_layers) if self.route_layers else 0)
+            inner = self.stats.boundary_syncs - self._bsyncs0 + len(launch.route[0])
             self._note_forward_time(time.perf_counter() - launch.started, inner)
-        self.route_layers, self._routed_reads = frozenset(), 0
+        self._routed_reads = 0
         if self.om.forward_hooks:  # no forward is pending here: a hook's prefetches may evict
             routing = {l: h[0] for l, h in self._host.items()}
             routing.update((l, ids) for l, (ids, _) in self._synced.items())  # layers that took the synced path
@@ -296,7 +328,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         # with the arguments the first build passed them (runtime/decode/layer_replay.py).
         self.replay.skip(first, same_args=launch.n_tokens > 1)
         self.stats.recomputed_layers += len(launch.cache) - first
-        return self._build(launch.forward, launch.cache, launch.n_tokens, launch.snapshot)
+        return self._build(launch.forward, launch.cache, launch.n_tokens, launch.snapshot, launch.route)
 
     # -- bookkeeping, once per accepted forward ------------------------------------------------
     def flush(self, defer: bool = False) -> None:
@@ -335,51 +367,3 @@ class DevicePass(SegmentRepair, NextForward, RouteSync):
         if forecasts:
             self.ahead.score(forecasts, {l: h[0] for l, h in host.items()},
                              {l: self.modules[l].lookahead for l in host})
-
-    def _hit_calls(self, host: dict, hit: tuple) -> list | None:
-        """The calls of a one-token forward that hit everywhere, booked from its lookup codes (its slots),
-        or None when an expert lost its slot since its sync (then _calls() books the expert ids)."""
-        layers, codes, mark = hit
-        used = self.cache.record_hit_forward(layers, codes.reshape(len(layers), -1).tolist(), mark)
-        if used is None:
-            return None
-        k = codes.shape[-1]
-        return [(layer, host[layer][0], k, (k, 0, u, 0, 0.0)) for layer, u in zip(layers, used)]
-
-    def _calls(self, host: dict, synced: dict, loaded: dict) -> tuple[list, int]:
-        """Book a forward's calls from their expert ids: [(layer, ids, n_unique, stats)] and wasted reads."""
-        rows, wasted = [], 0
-        for layer in self.order:
-            h = host.get(layer)
-            if h is None:
-                continue
-            ids = h[0]
-            unique = ids[0] if ids.shape[0] == 1 else np.unique(ids)  # one token's k experts are distinct
-            reads = loaded.get(layer) if loaded else None
-            if reads:
-                read = np.concatenate([r for r, _, _ in reads])
-                used = int(np.isin(read, unique).sum())
-                wasted += len(read) - used
-                nbytes = sum(b for _, b, _ in reads)  # all of the layer's repair reads, used or not
-                rows.append((layer, unique, used, len(read), nbytes, sum(ms for _, _, ms in reads)))
-            else:
-                rows.append((layer, unique, 0, 0, 0, 0.0))
-        booked = self.cache.record_forward(rows)
-        if not synced:  # every MoE layer looked up on the device: rows are the calls, in order
-            calls = [(r[0], host[r[0]][0], len(r[1]), st) for r, st in zip(rows, booked)]
-        else:
-            by_layer = {r[0]: (len(r[1]), st) for r, st in zip(rows, booked)}
-            calls = []
-            for layer in self.order:
-                if layer in by_layer:
-                    calls.append((layer, host[layer][0], *by_layer[layer]))
-                elif layer in synced:
-                    ids, cs = synced[layer]
-                    calls.append((layer, ids, len(np.unique(ids)), _sum_calls(cs)))
-        return calls, wasted
-
-
-def _sum_calls(calls: list) -> tuple:
-    """(hits, misses, prefetch_used, bytes_read, stall_ms) over the groups of a synced (split) call."""
-    return (sum(c.hits for c in calls), sum(c.misses for c in calls), sum(c.prefetch_used for c in calls),
-            sum(c.bytes_read for c in calls), sum(c.stall_ms for c in calls))

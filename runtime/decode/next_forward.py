@@ -28,8 +28,10 @@ building forward n+1 after n's sync.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
+from runtime.decode.paced_build import PacedBuild
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 
 # Repairs per forward (averaged, runtime/decode/segment_repair.py's repair_rate) above which the next
@@ -53,10 +55,13 @@ class NextForward:
 
     def can_launch_next(self) -> bool:
         launch = self._launch
-        return (self.build_next and launch is not None and self._next is None and launch.n_tokens == 1
-                and self.repair_rate <= NEXT_MAX_REPAIR_RATE and not self.om.forward_hooks
-                and len(launch.layers) == len(self.order) and not self._boundaries(launch.cache, 1)
-                and all(self.modules[l].lookahead is None for l in self.order))
+        if not (self.build_next and launch is not None and self._next is None and self._pacer is None
+                and launch.n_tokens == 1 and not self.om.forward_hooks and len(launch.layers) == len(self.order)
+                and all(self.modules[l].lookahead is None for l in self.order)):
+            return False
+        if launch.route[2]:  # staged: it reads before its layers run, so it is not repaired; the next one is
+            return self._route_each_layer(1, True)  # paced and staged too, while forwards stay routed
+        return self.repair_rate <= NEXT_MAX_REPAIR_RATE and not self._boundaries(launch.cache, 1)
 
     def launch_next(self, make_forward: Callable[[object], Callable]) -> bool:
         """Build make_forward(pending output) -- the next one-token forward, on the pending forward's lazy
@@ -64,18 +69,39 @@ class NextForward:
         if not self.can_launch_next():
             return False
         launch = self._launch
+        if launch.route[2]:
+            # The pending forward is staged: nothing built on its output may be queued before its route syncs, so
+            # the next forward is built a layer at a time between them (runtime/decode/paced_build.py), staged too.
+            route, snapshot = self._route_config(True, staged=True), snapshot_untrimmable(launch.cache)
+            self._pacer = PacedBuild(lambda: self._build(make_forward(launch.out), launch.cache, 1, snapshot, route,
+                                                         queue=False), self.replay, self.cache)
+            self.stats.next_built += 1
+            self.stats.routed += 1
+            return True
         parked = self.replay.park()
         self.replay.start()
         try:
-            built = self._build(make_forward(launch.out), launch.cache, 1, snapshot_untrimmable(launch.cache))
+            built = self._build(make_forward(launch.out), launch.cache, 1, snapshot_untrimmable(launch.cache),
+                                self._route_config(False, staged=False))
             self._next = (built, self.replay.park())
         finally:
             self.replay.resume(parked)
         self.stats.next_built += 1
         return True
 
+    def _complete_pacer(self) -> None:
+        """Finish the paced build of the next forward (it becomes self._next); on its error, nothing is next."""
+        pacer, self._pacer = self._pacer, None
+        if pacer is not None:
+            self._next = pacer.complete()
+
     def _drop_next(self) -> None:
         """The pending forward needs a repair (or failed): the next one, built on its output, is wrong."""
+        if self._pacer is not None:  # built whole first: a half-built forward wrote some layers' caches only
+            try:
+                self._complete_pacer()
+            except Exception:
+                self._next = None  # its build failed: nothing of it was queued; the next launch() builds it again
         if self._next is None:
             return
         built, _ = self._next
@@ -86,12 +112,16 @@ class NextForward:
 
     def _promote_next(self) -> None:
         """The pending forward was accepted: the next one is now the pending forward."""
+        self._complete_pacer()
         if self._next is None:
             return
         built, state = self._next
         self._next = None
         self._launch = built
         self.replay.resume(state)
+        if built.stages:  # a paced build: queued now, up to its first route sync
+            built.started = time.perf_counter()
+            self._queue_first_stage(built.stages)
         self._syncs0 = self.cache.host_syncs
         self._loaded, self._forward_repairs, self._bsyncs0 = {}, 0, self.stats.boundary_syncs
         self.stats.passes += 1

@@ -29,6 +29,7 @@ class PassStats:
     route_syncs: int = 0  # host syncs those made (one per MoE layer)
     route_reads: int = 0  # experts they read before the layer that needed them ran
     ahead_prefetched: int = 0  # experts their route syncs queued for later layers (runtime/decode/route_ahead.py)
+    paced_layers: int = 0  # next-forward layers built between a staged forward's route syncs (paced_build.py)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,0 +1,116 @@
+"""Staged routed forwards and paced next-forward builds (runtime/decode/route_sync.py, paced_build.py): while
+misses make plain decoding route every layer, a one-token forward is built whole, finish() syncs each MoE
+layer's codes in order and reads what is absent before that layer's experts run, and the next token's forward
+is built a layer at a time between those syncs. Lossless, no repair in a routed forward, every sync counted,
+nothing left pinned, held or in device mode."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from runtime.decode.device_pass import DevicePass
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.paced_build import PacedBuild
+from tests.conftest import PROMPT, greedy_ids
+from tests.pass_helpers import decode_through_pass, pass_idle
+
+N = 24
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])
+def test_staged_forwards_with_paced_next_builds_are_lossless(family, tiny_dirs):
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="25%"))
+    try:
+        tokens, dp = decode_through_pass(om, N, segment="auto")
+        assert tokens == greedy_ids(load(str(tiny_dirs[family]))[0], om.tokenizer.encode(PROMPT), N)
+        st, n_moe = dp.stats, len(om.modules)
+        assert st.routed >= N // 2 and st.route_reads > 0 and st.route_syncs == st.routed * n_moe
+        assert st.repairs <= (st.passes - st.routed) * n_moe  # none in a routed forward
+        # Next forwards were built while routed ones synced, a layer per route sync, and none was dropped.
+        assert st.next_built >= N // 3 and st.next_dropped == 0
+        assert st.paced_layers >= (st.next_built - 1) * n_moe
+        assert pass_idle(om) and om.cache.active_pass is None and dp._pacer is None
+    finally:
+        om.close()
+
+
+def test_a_stage_that_does_not_read_is_caught(tiny_dirs, monkeypatch):
+    """The test above can fail: route syncs that see the absent experts but read none leave the forward to find
+    them at its own sync (repairs in routed forwards)."""
+    def no_reads(self, layer, indices, codes, ahead, held):
+        mx.eval(codes)
+        self.cache.host_syncs += 1
+        self.stats.route_syncs += 1
+        return False
+
+    monkeypatch.setattr(DevicePass, "_route_sync", no_reads)
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    try:
+        tokens, dp = decode_through_pass(om, N, segment="auto")
+        st = dp.stats
+        assert st.routed > 0 and st.repairs > (st.passes - st.routed) * len(om.modules)
+    finally:
+        om.close()
+
+
+def test_without_next_forwards_routed_forwards_sync_as_they_build(tiny_dirs):
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    try:
+        tokens, dp = decode_through_pass(om, N, segment="auto", build_next=False)
+        assert tokens == greedy_ids(load(str(tiny_dirs["qwen3_moe"]))[0], om.tokenizer.encode(PROMPT), N)
+        st = dp.stats
+        assert st.routed > 0 and st.next_built == 0 and st.paced_layers == 0
+        assert st.route_syncs == st.routed * len(om.modules)
+    finally:
+        om.close()
+
+
+class _Replay:
+    def __init__(self):
+        self.state = ("outer",)
+
+    def park(self):
+        return self.state
+
+    def resume(self, state):
+        self.state = state
+
+    def start(self):
+        self.state = ("fresh",)
+
+
+class _Cache:
+    active_pass = "outer pass"
+
+
+def test_a_paced_build_runs_only_inside_step_with_its_own_state():
+    replay, cache, seen = _Replay(), _Cache(), []
+    holder = {}
+
+    def build():
+        for i in range(3):
+            seen.append((i, replay.state, cache.active_pass))
+            cache.active_pass, replay.state = "build pass", ("build", i)
+            holder["pacer"].pause()
+        return "built"
+
+    pacer = holder["pacer"] = PacedBuild(build, replay, cache)
+    assert seen == []  # nothing runs at creation
+    pacer.step()
+    assert seen == [(0, ("fresh",), None)]
+    assert (replay.state, cache.active_pass) == (("outer",), "outer pass")  # the caller's state is back
+    pacer.step()
+    assert seen[-1] == (1, ("build", 0), "build pass")  # the build's own state, as it left it
+    assert pacer.complete() == ("built", ("build", 2)) and pacer.done
+    assert (replay.state, cache.active_pass) == (("outer",), "outer pass")
+
+
+def test_a_paced_build_error_is_raised_by_complete():
+    def build():
+        raise ValueError("broken layer")
+
+    pacer = PacedBuild(build, _Replay(), _Cache())
+    with pytest.raises(ValueError, match="broken layer"):
+        pacer.complete()
