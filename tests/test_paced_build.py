@@ -28,8 +28,9 @@ def test_staged_forwards_with_paced_next_builds_are_lossless(family, tiny_dirs):
         st, n_moe = dp.stats, len(om.modules)
         assert st.routed >= N // 2 and st.route_reads > 0 and st.route_syncs == st.routed * n_moe
         assert st.repairs <= (st.passes - st.routed) * n_moe  # none in a routed forward
-        # Next forwards were built while routed ones synced, a layer per route sync, and none was dropped.
-        assert st.next_built >= N // 3 and st.next_dropped == 0
+        # Next forwards were built while routed ones synced, a layer per route sync; one is dropped only when the
+        # forward it was built on repaired (a one-sync forward before the rate made them routed).
+        assert st.next_built >= N // 3 and st.next_dropped <= st.repairs
         assert st.paced_layers >= (st.next_built - 1) * n_moe
         assert pass_idle(om) and om.cache.active_pass is None and dp._pacer is None
     finally:
@@ -114,3 +115,28 @@ def test_a_paced_build_error_is_raised_by_complete():
     pacer = PacedBuild(build, _Replay(), _Cache())
     with pytest.raises(ValueError, match="broken layer"):
         pacer.complete()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_routed_and_one_sync_forwards_in_turn_are_built_early_and_lossless(family, tiny_dirs, monkeypatch):
+    """Every transition: a one-sync forward built a layer at a time between a staged forward's route syncs (held
+    and queued when it becomes pending), and a staged forward built while a one-sync forward computes (queued
+    when it becomes pending). Forwards alternate between routed and one-sync (no segments) here."""
+    real = DevicePass._route_each_layer
+
+    def alternate(self, n_tokens, segments):  # the forward numbered stats.passes is routed when it is odd
+        return real(self, n_tokens, segments) if n_tokens > 1 else self.stats.passes % 2 == 1
+
+    monkeypatch.setattr(DevicePass, "_route_each_layer", alternate)
+    monkeypatch.setattr(DevicePass, "_boundaries", lambda self, cache, n_tokens: frozenset())
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="25%"))
+    try:
+        tokens, dp = decode_through_pass(om, N, segment="auto")
+        assert tokens == greedy_ids(load(str(tiny_dirs[family]))[0], om.tokenizer.encode(PROMPT), N)
+        st, n_moe = dp.stats, len(om.modules)
+        assert N // 3 <= st.routed <= st.passes - N // 3  # both kinds ran
+        assert st.route_syncs == st.routed * n_moe and st.paced_layers > 0
+        assert st.next_built >= N - 2 and st.next_dropped <= st.repairs
+        assert pass_idle(om) and om.cache.active_pass is None and dp._pacer is None
+    finally:
+        om.close()

@@ -73,7 +73,7 @@ class _Launch:
     started: float  # perf_counter() when its build began (a paced build: when it became the pending forward)
     stages: list = field(default_factory=list)  # a staged forward's (layer, indices, codes, ahead), in layer order
     route: tuple = (frozenset(), False, False)  # (route layers, route-ahead on, staged) it was built with
-    to_hold: frozenset = frozenset()  # a staged forward's layers, held by its sync
+    to_hold: frozenset = frozenset()  # layers it will hold, not held yet (built before it could be queued)
 
 
 class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
@@ -180,10 +180,11 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         started = time.perf_counter()
         self.route_layers, self.ahead_on, self.route_staged = route
         staged = route[2]
-        # Nothing of a staged forward runs before finish() holds its layers: building it holds none (the pending
-        # forward's reads, between its route syncs, may evict in any layer while this one is built).
-        to_hold = self.lookup_layers
-        held = frozenset() if staged else to_hold
+        # A forward holds its layers while it may run: from its queueing (a staged one: from its first route sync)
+        # to its sync. Before that it holds none: the pending forward's reads (between its route syncs, or its
+        # repairs) may evict in any layer while this one is built.
+        held = self.lookup_layers if queue and not staged else frozenset()
+        to_hold = frozenset() if held else self.lookup_layers
         self._records, self._seg_start, self._cur = [], 0, (cache, snapshot, n_tokens, held)
         self._stages = []
         self.cache.hold(held)
@@ -197,7 +198,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
             shapes = [tuple(i.shape) for _, i, _ in self._records]
             packed = self._pack(self._records) if self._records else None
             stages = self._stages
-            if not staged:
+            if queue and not staged:
                 mx.async_eval(out, [] if packed is None else packed, self.ahead.arrays())
             elif queue and stages:  # only up to the first route sync: no layer's experts run before its reads
                 self._queue_first_stage(stages)
@@ -208,7 +209,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
             self._records, self._cur, self._stages = [], None, []
         self.stats.layer_calls += len(layers)
         return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held, started, stages, route,
-                       to_hold if staged else frozenset())
+                       to_hold)
 
     @staticmethod
     def _pack(records: list) -> mx.array:
@@ -221,9 +222,10 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
     def _sync(self, launch: _Launch) -> list[int]:
         """The host sync of a built forward; returns the MoE layers with an absent expert."""
         try:
-            if launch.stages:  # staged: its route syncs first, each before its layer's experts run
+            if launch.to_hold:  # built before it could be held (staged, or while the previous forward computed)
                 self.cache.hold(launch.to_hold)
-                launch.held = launch.to_hold
+                launch.held, launch.to_hold = launch.to_hold, frozenset()
+            if launch.stages:  # staged: its route syncs first, each before its layer's experts run
                 self.run_stages(launch.stages, launch.held)
             if self._pacer is not None:  # the next forward's last layers are built while this one ends
                 mx.async_eval(launch.out, [] if launch.packed is None else launch.packed)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import mlx.core as mx
+
 from runtime.decode.paced_build import PacedBuild
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 
@@ -54,38 +56,51 @@ class NextForward:
         return self._launch is not None
 
     def can_launch_next(self) -> bool:
+        return self._next_plan() is not None
+
+    def _next_plan(self) -> tuple | None:
+        """How the next one-token forward may be built now: (route config, paced, queue), or None."""
         launch = self._launch
         if not (self.build_next and launch is not None and self._next is None and self._pacer is None
                 and launch.n_tokens == 1 and not self.om.forward_hooks and len(launch.layers) == len(self.order)
                 and all(self.modules[l].lookahead is None for l in self.order)):
-            return False
-        if launch.route[2]:  # staged: it reads before its layers run, so it is not repaired; the next one is
-            return self._route_each_layer(1, True)  # paced and staged too, while forwards stay routed
-        return self.repair_rate <= NEXT_MAX_REPAIR_RATE and not self._boundaries(launch.cache, 1)
+            return None
+        routed = self._route_each_layer(1, True)
+        if routed and not self.stage_routes:
+            return None  # it would sync while it is built
+        if not routed and self._boundaries(launch.cache, 1):
+            return None  # its segment boundaries would sync while it is built
+        paced = launch.route[2]  # nothing built on a staged forward's output is queued before its route syncs end
+        if routed or paced:
+            # Queued only once the pending forward is accepted: built for nothing at worst, never computed for
+            # nothing, so no rate gate.
+            return self._route_config(routed, staged=routed), paced, False
+        if self.repair_rate > NEXT_MAX_REPAIR_RATE:
+            return None  # queued at once: a repair of the pending forward would throw its compute away
+        return self._route_config(False, staged=False), False, True
 
     def launch_next(self, make_forward: Callable[[object], Callable]) -> bool:
         """Build make_forward(pending output) -- the next one-token forward, on the pending forward's lazy
-        output -- and queue it, if a repair is unlikely (see the module docstring). Returns whether it did."""
-        if not self.can_launch_next():
+        output -- if it is cheap to drop (see the module docstring). Queued at once when the pending forward is
+        one sync and the next too; a staged next is queued when it becomes pending; after a staged forward, the
+        next one is built a layer at a time between its route syncs (runtime/decode/paced_build.py). Returns
+        whether it was (or is being) built."""
+        plan = self._next_plan()
+        if plan is None:
             return False
+        route, paced, queue = plan
         launch = self._launch
-        if launch.route[2]:
-            # The pending forward is staged: nothing built on its output may be queued before its route syncs, so
-            # the next forward is built a layer at a time between them (runtime/decode/paced_build.py), staged too.
-            route, snapshot = self._route_config(True, staged=True), snapshot_untrimmable(launch.cache)
-            self._pacer = PacedBuild(lambda: self._build(make_forward(launch.out), launch.cache, 1, snapshot, route,
-                                                         queue=False), self.replay, self.cache)
-            self.stats.next_built += 1
-            self.stats.routed += 1
-            return True
-        parked = self.replay.park()
-        self.replay.start()
-        try:
-            built = self._build(make_forward(launch.out), launch.cache, 1, snapshot_untrimmable(launch.cache),
-                                self._route_config(False, staged=False))
-            self._next = (built, self.replay.park())
-        finally:
-            self.replay.resume(parked)
+        snapshot = snapshot_untrimmable(launch.cache)
+        build = lambda: self._build(make_forward(launch.out), launch.cache, 1, snapshot, route, queue=queue)  # noqa: E731
+        if paced:
+            self._pacer = PacedBuild(build, self.replay, self.cache)
+        else:
+            parked = self.replay.park()
+            self.replay.start()
+            try:
+                self._next = (build(), self.replay.park())
+            finally:
+                self.replay.resume(parked)
         self.stats.next_built += 1
         return True
 
@@ -119,9 +134,15 @@ class NextForward:
         self._next = None
         self._launch = built
         self.replay.resume(state)
-        if built.stages:  # a paced build: queued now, up to its first route sync
+        self.stats.routed += bool(built.route[0])  # counted when pending, as launch() counts (a dropped one never is)
+        if built.stages:  # staged: queued now, up to its first route sync (its sync holds its layers)
             built.started = time.perf_counter()
             self._queue_first_stage(built.stages)
+        elif built.to_hold:  # built while a staged forward synced: held and queued now
+            built.started = time.perf_counter()
+            self.cache.hold(built.to_hold)
+            built.held, built.to_hold = built.to_hold, frozenset()
+            mx.async_eval(built.out, [] if built.packed is None else built.packed, self.ahead.arrays())
         self._syncs0 = self.cache.host_syncs
         self._loaded, self._forward_repairs, self._bsyncs0 = {}, 0, self.stats.boundary_syncs
         self.stats.passes += 1
