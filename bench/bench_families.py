@@ -49,10 +49,10 @@ def main() -> None:
             for _ in range(args.trials):
                 samples["stock"].append(decode_tps(stock, tok, args.tokens)[0])
                 for b, om in oms.items():
-                    tps, misses, mb = decode_tps(om.model, om.tokenizer, args.tokens, om)
+                    tps, per = decode_tps(om.model, om.tokenizer, args.tokens, om)
                     samples[b].append(tps)
                     if b == "50%":
-                        per_token = (misses, mb * 1e3)
+                        per_token = (per["misses_per_token"], per["mb_read_per_token"] * 1e3)
             for om in oms.values():
                 om.close()
             s = statistics.median(samples["stock"])

@@ -3,27 +3,34 @@
 mlx-lm's generate_step builds and queues the next forward before it reads the current token back,
 so the host's graph building overlaps the device's compute and the device never waits for Python.
 A device pass can do the same only if forward n will be accepted as it is: a repair of n changes
-its output, and the next forward, built on the old one, is then wrong. So `launch_next()` builds
-forward n+1 (mx.async_eval, no sync) only when a repair is unlikely -- the recent repair rate is
-under NEXT_MAX_REPAIR_RATE and no segments would be cut -- and `finish()` of forward n either
-promotes it to the pending forward (n was accepted) or drops it (n needed a repair): its slots'
-hold is released and the one position it wrote is rolled back in every cache (trim, or the
-snapshot of the untrimmable state taken before it was built), before n is repaired.
+its output, and the next forward, built on the old one, is then wrong. `finish()` of forward n either
+promotes forward n+1 to the pending forward (n was accepted) or drops it (n needed a repair): its slots'
+hold (if it had one) is released and the one position it wrote is rolled back in every cache (trim, or
+the snapshot of the untrimmable state taken before it was built), before n is repaired. How n+1 is built
+(`launch_next()`, `_next_plan()`):
+- n and n+1 one sync each: built and queued at once (mx.async_eval, no sync), only while a repair is
+  unlikely -- the recent repair rate under NEXT_MAX_REPAIR_RATE -- and no segments would be cut: a dropped
+  forward then cost its whole compute.
+- n+1 staged (routed, runtime/decode/route_sync.py) after a one-sync n: built at once, queued (up to its
+  first route sync) when it becomes pending. A drop costs only its build, so no rate gate.
+- after a staged n: built a layer at a time between n's route syncs (runtime/decode/paced_build.py),
+  staged or one sync (then held and queued when it becomes pending); nothing built on n's output may be
+  queued before n's route syncs end. A staged n is not repaired (it reads before its layers run).
 
 A dropped forward's graph may still be computing while the repair reads experts into slots it
 reads: its output is garbage and never used, and every cache write it made sits at the position
 the rebuilt forward n+1 writes again (later graphs take its arrays as inputs, so MLX orders them).
 
-Only for passes whose forwards make no host sync but the last and whose bookkeeping never evicts
-between two syncs: every MoE layer looks up on the device (no synced or prefetching layer), no
-router lookahead, no forward hooks (their prefetches may evict, which needs no pending graph), one
-token per forward. The replay's record of forward n is parked while n+1 is built and made current
-again after, so n's repair still skips the layers before its first miss.
+Only for passes whose forwards make no host sync while they are built but a staged forward's, and whose
+bookkeeping never evicts between two syncs: every MoE layer looks up on the device (no synced or
+prefetching layer), no router lookahead, no forward hooks (their prefetches may evict, which needs no
+pending graph), one token per forward. The replay's record of forward n is parked while n+1 is built and
+made current again after, so n's repair still skips the layers before its first miss.
 
 Invariants: at most one next forward; it exists only between launch_next() and the pending
-forward's finish(); it holds its layers from its build to its own sync (or its drop); dropping it
-leaves every cache as forward n left it; with no repair, the tokens and every counter are those of
-building forward n+1 after n's sync.
+forward's finish(); a queued one holds its layers from its queueing to its own sync (or its drop), one not
+queued yet holds none; dropping it leaves every cache as forward n left it; with no repair, the tokens and
+every counter are those of building forward n+1 after n's sync.
 """
 
 from __future__ import annotations
