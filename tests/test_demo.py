@@ -18,6 +18,10 @@ def test_demo_runs_three_ways_with_identical_output(tmp_path):
     spec = result["rows"][1]
     assert spec["acceptance"] is not None and spec["unique_per_layer_per_verify"] <= spec["pairs_per_layer_per_verify"]
     assert "outputs identical: yes" in stdout
+    # MB read per token counts the prefetch reads too: only the forecasting variant prefetches.
+    plain, nopf, spmoe = result["rows"]
+    assert plain["prefetch_mb_per_token"] == 0 and nopf["prefetch_mb_per_token"] == 0
+    assert 0 < spmoe["prefetch_mb_per_token"] <= spmoe["mb_read_per_token"]
     # Interleaved passes with their spread; a verdict only when every pass agrees.
     assert result["repeats"] == 2
     for r in result["rows"]:

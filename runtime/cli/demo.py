@@ -23,10 +23,18 @@ from runtime.observe import console, err_console, write_json
 DEMO_PROMPT = "Enter the king, with his lords. The king speaks:"
 
 
-def _row(name, tokens_per_s, tel_summary, n_tokens, acceptance=None, tpv=None):
-    s = tel_summary
+def prefetched_bytes(om) -> int:
+    """Bytes of the prefetch reads that have landed in `om`'s cache since it was loaded (every layer)."""
+    return sum(s.prefetch_loaded * om.cache.layouts[l].expert_bytes for l, s in om.cache.stats().items())
+
+
+def _row(name, tokens_per_s, tel_summary, n_tokens, prefetch_bytes=0, acceptance=None, tpv=None):
+    """A variant's row. MB read per token counts the demand reads (telemetry, after the prompt) and the prefetch
+    reads (the cache's counters: only decoding prefetches), so a forecaster's reads are not hidden."""
+    s, n = tel_summary, max(1, n_tokens)
     return {"variant": name, "tokens_per_s": tokens_per_s, "hit_rate": s["hit_rate"],
-            "misses_per_token": s["misses"] / max(1, n_tokens), "mb_read_per_token": s["bytes_read"] / 1e6 / max(1, n_tokens),
+            "misses_per_token": s["misses"] / n, "mb_read_per_token": (s["bytes_read"] + prefetch_bytes) / 1e6 / n,
+            "prefetch_mb_per_token": prefetch_bytes / 1e6 / n,
             "unique_per_layer_per_verify": s["unique_per_layer_per_verify"],
             "pairs_per_layer_per_verify": s["pairs_per_layer_per_verify"], "acceptance": acceptance, "tokens_per_verify": tpv}
 
@@ -69,17 +77,21 @@ def run_variants(target: Path, draft: Path, prompt: str, max_tokens: int, budget
         with engine:
             om = engine.model
             om.telemetry.new_sequence()
+            before = prefetched_bytes(om)
             responses = list(stream_generate(engine, prompt, max_tokens))
             out, last = [r.token for r in responses], responses[-1]
             om.end_round()
+            om.cache.settle_inflight()  # prefetches still in flight were read all the same
+            fetched = prefetched_bytes(om) - before
             summary = om.telemetry.summary(exclude=("prefill",))
             if predictor is None:
                 # Plain decoding has no verify windows: a decode step is a window of one token.
                 summary["unique_per_layer_per_verify"] = summary["pairs_per_layer_per_verify"] = float(om.top_k)
-                rows[name] = _row(name, last.detail.tokens_per_s, summary, len(out))
+                rows[name] = _row(name, last.detail.tokens_per_s, summary, len(out), fetched)
             else:
                 st = last.detail
-                rows[name] = _row(name, st.n_tokens / st.decode_s, summary, len(out), st.acceptance, st.tokens_per_verify)
+                rows[name] = _row(name, st.n_tokens / st.decode_s, summary, len(out), fetched, st.acceptance,
+                                  st.tokens_per_verify)
             texts[name] = om.tokenizer.decode(out)
             tokens_by[name] = out
             plan = om.plan
@@ -116,14 +128,14 @@ def register(app: typer.Typer) -> None:
         console.print(f"[bold]{prompt}[/bold]{result['text']}", highlight=False)
         t = Table(title=f"cache holds {result['cache_fraction']:.0%} of the experts; after the prompt; outputs identical: "
                         f"{'yes' if result['identical_outputs'] else 'NO'}")
-        for col in ["variant", "tok/s", f"min-max ({result['repeats']})", "vs plain [min-max]", "verdict", "hit rate", "misses/tok", "MB read/tok", "unique experts/layer/window",
+        for col in ["variant", "tok/s", f"min-max ({result['repeats']})", "vs plain [min-max]", "verdict", "hit rate", "misses/tok", "MB read/tok (prefetched)", "unique experts/layer/window",
                     "pairs/layer/window", "accept", "tok/verify"]:
             t.add_column(col, justify="right")
         for r in result["rows"]:
             t.add_row(r["variant"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}",
                       f"{r['vs_plain']:.2f} [{r['vs_plain_min']:.2f}-{r['vs_plain_max']:.2f}]", r["verdict"],
                       f"{r['hit_rate']:.1%}", f"{r['misses_per_token']:.2f}",
-                      f"{r['mb_read_per_token']:.3f}", f"{r['unique_per_layer_per_verify']:.2f}",
+                      f"{r['mb_read_per_token']:.3f} ({r['prefetch_mb_per_token']:.3f})", f"{r['unique_per_layer_per_verify']:.2f}",
                       f"{r['pairs_per_layer_per_verify']:.1f}",
                       "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
                       "-" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}")
