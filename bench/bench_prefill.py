@@ -161,18 +161,18 @@ def main() -> None:
           f"time to first token, median (min-max) of {n} interleaved trials, files hot; "
           f"first-token log-probs equal stock bit for bit in every trial")
     print(f"load average (1 min) after each trial: {', '.join(f'{x:.1f}' for x in loads)} on {os.cpu_count()} cores")
-    print(f"{'variant':<22}{'slots':>6}{'wall s':>24}{'CPU s':>22}{'wall vs stock':>20}{'CPU vs stock':>20}")
+    print(f"{'variant':<22}{'slots':>6} {'wall s':>24} {'CPU s':>22} {'wall vs stock':>20} {'CPU vs stock':>20}")
     results = {"stock": {"seconds": statistics.median(wall["stock"]), "spread": [min(wall["stock"]), max(wall["stock"])],
                          "cpu_seconds": statistics.median(cpu["stock"]), "cpu_spread": [min(cpu["stock"]), max(cpu["stock"])],
                          "tokens_per_s": len(ids) / statistics.median(wall["stock"])}}
-    print(f"{'stock':<22}{'':>6}{_spread(wall['stock']):>24}{_spread(cpu['stock']):>22}{'1.00':>20}{'1.00':>20}")
+    print(f"{'stock':<22}{'':>6} {_spread(wall['stock']):>24} {_spread(cpu['stock']):>22} {'1.00':>20} {'1.00':>20}")
     wr = [w / s for w, s in zip(wall[SYNCED], wall["stock"])]
     cr = [c / s for c, s in zip(cpu[SYNCED], cpu["stock"])]
     results[SYNCED] = {"seconds": statistics.median(wall[SYNCED]), "spread": [min(wall[SYNCED]), max(wall[SYNCED])],
                        "cpu_seconds": statistics.median(cpu[SYNCED]), "cpu_spread": [min(cpu[SYNCED]), max(cpu[SYNCED])],
                        "time_vs_stock": statistics.median(wr), "time_vs_stock_spread": [min(wr), max(wr)],
                        "cpu_vs_stock": statistics.median(cr), "cpu_vs_stock_spread": [min(cr), max(cr)]}
-    print(f"{SYNCED:<22}{'':>6}{_spread(wall[SYNCED]):>24}{_spread(cpu[SYNCED]):>22}{_spread(wr):>20}{_spread(cr):>20}")
+    print(f"{SYNCED:<22}{'':>6} {_spread(wall[SYNCED]):>24} {_spread(cpu[SYNCED]):>22} {_spread(wr):>20} {_spread(cr):>20}")
     for b in budgets:
         r = last[b]
         wr = [w / s for w, s in zip(wall[b], wall["stock"])]  # per trial: each against the stock run beside it
@@ -186,7 +186,7 @@ def main() -> None:
                       "reads": r["reads"], "unique_experts": r["unique_experts"],
                       "bytes_read": r["bytes_read"], "unique_bytes": r["unique_bytes"], "bytes_vs_unique": ratio,
                       "slots_per_layer": r["slots"]}
-        print(f"{'specmoe ' + b:<22}{r['slots']:>6}{_spread(wall[b]):>24}{_spread(cpu[b]):>22}{_spread(wr):>20}{_spread(cr):>20}")
+        print(f"{'specmoe ' + b:<22}{r['slots']:>6} {_spread(wall[b]):>24} {_spread(cpu[b]):>22} {_spread(wr):>20} {_spread(cr):>20}")
     print(f"{'bytes':<22}{'reads':>7}{'unique':>7}{'MB read':>9}{'MB unique':>10}{'read/unique':>12}")
     for b in budgets:
         r = results[b]
