@@ -201,7 +201,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
             if queue and not staged:
                 mx.async_eval(out, [] if packed is None else packed, self.ahead.arrays())
             elif queue and stages:  # only up to the first route sync: no layer's experts run before its reads
-                self._queue_first_stage(stages)
+                self._queue_stage(stages[0])
         except BaseException:
             self.cache.release(held)
             raise

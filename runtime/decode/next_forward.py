@@ -142,11 +142,11 @@ class NextForward:
         self._launch = built
         self.replay.resume(state)
         self.stats.routed += bool(built.route[0])  # counted when pending, as launch() counts (a dropped one never is)
+        if built.stages or built.to_hold:  # not queued yet: its forward time starts now
+            built.started = time.perf_counter()
         if built.stages:  # staged: queued now, up to its first route sync (its sync holds its layers)
-            built.started = time.perf_counter()
-            self._queue_first_stage(built.stages)
+            self._queue_stage(built.stages[0])
         elif built.to_hold:  # built while a staged forward synced: held and queued now
-            built.started = time.perf_counter()
             self.cache.hold(built.to_hold)
             built.held, built.to_hold = built.to_hold, frozenset()
             mx.async_eval(built.out, [] if built.packed is None else built.packed, self.ahead.arrays())

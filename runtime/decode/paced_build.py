@@ -40,7 +40,6 @@ class PacedBuild:
         self._own_active = None  # the cache's active pass inside the build (set by the build itself)
         self._glet = greenlet(self._run)
         self.done = False
-        self.steps = 0  # resumes that built something (for tests and stats)
         self._result = None
         self._error: BaseException | None = None
 
@@ -69,7 +68,6 @@ class PacedBuild:
             self._own_replay, self._own_active = self._replay.park(), self._cache.active_pass
             self._replay.resume(outer_replay)
             self._cache.active_pass = outer_active
-        self.steps += 1
 
     def complete(self):
         """Build to the end; returns the build's result (raises its error) and the replay record it made."""

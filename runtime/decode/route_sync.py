@@ -81,8 +81,9 @@ class RouteSync:
                 bool(routed and staged))
 
     @staticmethod
-    def _queue_first_stage(stages: list) -> None:
-        _, _, codes, ahead = stages[0]
+    def _queue_stage(stage: tuple) -> None:
+        """Queue a staged forward up to one route sync's codes (and the forecast read back with them)."""
+        _, _, codes, ahead = stage
         mx.async_eval(codes, ahead[1] if ahead else [])
 
     def route(self, layer: int, indices: mx.array, codes: mx.array, ahead: tuple | None = None) -> bool:
@@ -105,9 +106,10 @@ class RouteSync:
         layer's codes (every earlier layer's experts ran, their reads done) and reads what is absent. Between
         queueing a step and waiting for it, the next forward's paced build (if any) builds a layer."""
         pacer = self._pacer
-        for layer, indices, codes, ahead in stages:
+        for stage in stages:
+            layer, indices, codes, ahead = stage
             if pacer is not None and not pacer.done:
-                mx.async_eval(codes, ahead[1] if ahead else [])  # the device computes this step ...
+                self._queue_stage(stage)  # the device computes this step ...
                 pacer.step()  # ... while the host builds a layer of the next forward
                 self.stats.paced_layers += 1
             self._route_sync(layer, indices, codes, ahead, held)
