@@ -10,11 +10,12 @@ memory copy. Targets (issue 14): >= 0.97x at 100%, 0.92x at 50%, 0.8x at 25%.
 Variants, all greedy on the same prompts, files hot (one warmup run first):
 stock mlx-lm fully resident, and specmoe at 100%, 50% and 25% budgets ("next off": the same
 without building forward n+1 before forward n's sync, runtime/decode/next_forward.py; "route off": auto
-with segment repairs only, no routed forwards, runtime/decode/route_sync.py; "staged off": auto whose
+with segment repairs only, no routed forwards, runtime/decode/route_sync.py; "all layers": auto whose forwards
+route every layer when they route any, instead of only the layers that miss often enough; "staged off": auto whose
 routed forwards sync as they are built, with no next forward built between their route syncs,
 runtime/decode/paced_build.py). Ratios are per
-trial against the stock run of the same trial (interleaved), reported as median and
-min-max. Prints a table and ends with one JSON line.
+trial against the stock run of the same trial (interleaved, every variant once per trial in a fresh
+order), reported as median and min-max. Prints a table and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -51,7 +53,7 @@ def _counters(om) -> dict:
 
 
 def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto",
-               build_next: bool = True, route: bool = True, staged: bool = True) -> tuple[float, dict]:
+               build_next: bool = True, route: bool | str = True, staged: bool = True) -> tuple[float, dict]:
     """Decode tok/s over PROMPTS (all decoded tokens / all decode time); per decoded token: misses,
     MB read, host syncs, repairs."""
     elapsed, cpu, decoded, totals = 0.0, 0.0, 0, {"misses": 0, "bytes_read": 0, "host_syncs": 0, "repairs": 0}
@@ -63,8 +65,8 @@ def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto",
             from runtime.decode import DevicePass
 
             warm_start(om)
-            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next, route=route,
-                            staged=staged)
+            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next,
+                            route=bool(route), route_all=route == "all", staged=staged)
             gen = offloaded_generate_step(om, ids, max_tokens=n_tokens, sampler=sampler, device_pass=dp,
                                           after_prefill=om.cache.settle_inflight)
         else:
@@ -113,6 +115,10 @@ def main() -> None:
                     help="comma list of budgets that also run \"auto\" with routed forwards that sync as they are "
                          "built, no next forward built between their route syncs (runtime/decode/paced_build.py); "
                          "empty: none")
+    ap.add_argument("--route-all", default="50%,25%",
+                    help="comma list of budgets that also run \"auto\" routing every layer of a forward that routes "
+                         "any (instead of only the layers whose misses make a sync pay; runtime/decode/route_sync.py); "
+                         "empty: none")
     ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
     args = ap.parse_args()
     modes = args.one_sync.split(",")
@@ -126,6 +132,7 @@ def main() -> None:
         next_off = [b for b in args.next_off.split(",") if b]
         route_off = [b for b in args.route_off.split(",") if b]
         staged_off = [b for b in args.staged_off.split(",") if b]
+        route_all = [b for b in args.route_all.split(",") if b]
         variants = [("stock", None, None, True, True, True)]
         for b in args.budgets.split(","):  # at 100% there is no repair: the modes but "off" run alike
             for m in (modes[:1] if b == "100%" and "off" not in modes else modes):
@@ -135,6 +142,8 @@ def main() -> None:
                     variants.append((name + " next off", b, m, False, True, True))
                 if b in route_off and m == "auto":
                     variants.append((name + " route off", b, m, True, False, True))
+                if b in route_all and m == "auto":
+                    variants.append((name + " all layers", b, m, True, "all", True))
                 if b in staged_off and m == "auto":
                     variants.append((name + " staged off", b, m, True, True, False))
         loaded = {}
@@ -149,8 +158,11 @@ def main() -> None:
             decode_tps(model, tok, 8, om, mode, build_next, route, staged)
         samples = {name: [] for name, *_ in variants}
         io = {}
-        for _ in range(args.trials):  # interleave variants so drift hits all alike
-            for name, *_ in variants:
+        rng = random.Random(0)
+        for _ in range(args.trials):  # interleave variants so drift hits all alike, in a fresh order each trial
+            order = [name for name, *_ in variants]
+            rng.shuffle(order)  # no variant always runs right after the same one (its garbage, its evictions)
+            for name in order:
                 model, tok, om, mode, build_next, route, staged = loaded[name]
                 tps, per = decode_tps(model, tok, args.tokens, om, mode, build_next, route, staged)
                 samples[name].append(tps)
@@ -162,8 +174,8 @@ def main() -> None:
                 om.close()
 
     lines = [f"model: {args.model or 'synthetic qwen3_moe, 8 layers x 64 experts, top-4'} ({expert_mb:.1f} MB of experts); "
-             f"greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, {args.trials} interleaved trials, files hot, "
-             f"one-sync modes: {args.one_sync} (auto: segment repairs, or routed forwards: a sync per layer before its experts, when misses are frequent; on: one sync + one per "
+             f"greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, {args.trials} interleaved trials (a fresh order each), files hot, "
+             f"one-sync modes: {args.one_sync} (auto: a sync before the experts of each layer whose misses make it pay, repairs for the rest; on: one sync + one per "
              f"repair; off: one sync per MoE layer); load average {load0:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end",
              f"{'variant':<26}{'tok/s':>9}{'vs stock (min-max)':>24}{'CPU ms/tok':>11}{'CPU vs stock (min-max)':>26}"
@@ -185,7 +197,7 @@ def main() -> None:
                      f"{per['misses_per_token']:>12.2f}{per['mb_read_per_token']:>13.3f}"
                      f"{per['host_syncs_per_token']:>11.2f}{per['repairs_per_token']:>13.2f}")
     lines.append(json.dumps({"bench": "decode", "model": str(args.model or "synthetic qwen3_moe 8x64 experts"),
-                             "one_sync": args.one_sync, "load_average": [load0, os.getloadavg()[0]], "tokens": args.tokens, "trials": args.trials, "results": results}))
+                             "one_sync": args.one_sync, "load_average": [load0, os.getloadavg()[0]], "tokens": args.tokens, "trials": args.trials, "order": "shuffled per trial", "results": results}))
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -3,8 +3,8 @@
 1-3. Replays (bench/readless_replay.py): policies and frequency oracles on bench/results/embedded.smtrace;
    a decoded workload with the lookahead's forecasts recorded, replayed with prefetch over a grid of
    settings; recall by distance beside spmoe's on verify windows.
-4. Live plain decode at 25%, lookahead off and on interleaved, with real reads and with 1 ms added to
-   every expert read (EMULATED): tok/s median (min-max) over repeats, host syncs per token, demand
+4. Live plain decode at 25%, lookahead off and on interleaved, on the target packed (one read per expert),
+   with real reads and with 1 ms added to every expert read (EMULATED): tok/s median (min-max) over repeats, host syncs per token, demand
    misses, prefetch used and wasted, MB read per token. "off" runs the default path (one-sync device
    passes); "off, per-layer" the per-layer synced path the lookahead rides on.
 
@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script (bench/run_all.sh)
@@ -64,7 +65,21 @@ LIVE_VARIANTS = {"off, one-sync": (None, "auto"), "off, per-layer": (None, "off"
                  "j=2 m=4 p>=3/E, per-layer": ((2, 4, None, False, False), "off")}
 
 
+def packed_target(tmp: str) -> Path:
+    """The embedded target as a packed store: one positioned read per expert, so an emulated delay per read
+    (storage/faults.py's slow) is a delay per expert. The raw checkpoint reads an expert tensor by tensor (nine
+    reads for a 4-bit SwitchGLU): the same delay there would cost each expert nine times over."""
+    from storage.packer import convert
+
+    return convert(embedded_pair().target, Path(tmp) / "target")
+
+
 def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        return _part_live(packed_target(tmp), repeats, tokens, emulate)
+
+
+def _part_live(target: Path, repeats: int, tokens: int, emulate: list[float]) -> dict:
     prompts = [t for t in (ROOT / "prompts.txt").read_text().splitlines() if t.strip()][:2]
     out = {}
     for ms in emulate:
@@ -72,7 +87,7 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
         extra = {v: [] for v in LIVE_VARIANTS}
         for _ in range(repeats):
             for variant, (la, one_sync) in LIVE_VARIANTS.items():  # interleaved
-                om = OffloadedModel.load(embedded_pair().target, OffloadConfig(
+                om = OffloadedModel.load(target, OffloadConfig(
                     budget="25%", inject=f"slow:ms={ms}" if ms else "", policy="lru" if "LRU" in variant else "dlfu"))
                 try:
                     if la is not None:
@@ -84,9 +99,9 @@ def part_live(repeats: int, tokens: int, emulate: list[float]) -> dict:
                 extra[variant].append({"misses_per_token": agg["misses"] / agg["tokens"],
                                        "mb_per_token": agg["mb"] / agg["tokens"],
                                        **{k: v / agg["tokens"] for k, v in d.items()}})
-        label = f"EMULATED +{ms:g} ms/read" if ms else "real reads"
+        label = f"EMULATED +{ms:g} ms per expert read" if ms else "real reads"
         lru = statistics.median(x["misses_per_token"] for x in extra["off, LRU, per-layer"])
-        print(f"\nlive plain decode at 25% (dlfu unless LRU), {label}: decode tok/s median (min-max) over {repeats} interleaved "
+        print(f"\nlive plain decode at 25% (dlfu unless LRU; packed store), {label}: decode tok/s median (min-max) over {repeats} interleaved "
               f"repeats of {len(prompts)} prompts x {tokens} tokens; ratio per repeat to off on the same path")
         for v in LIVE_VARIANTS:
             e = extra[v]
@@ -107,6 +122,11 @@ SPEC_VARIANTS = {"L=0": (0, 0), "L=0 + lookahead j=1": (0, 1), "L=3 spmoe": (3, 
 def part_spec(repeats: int, tokens: int, emulate: list[float]) -> dict:
     """Speculative decoding (routing-trained drafter, K=3, 25%): spmoe prefetch for the first L layers while
     the drafter runs, and the lookahead for the layers past L during verify."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _part_spec(packed_target(tmp), repeats, tokens, emulate)
+
+
+def _part_spec(target: Path, repeats: int, tokens: int, emulate: list[float]) -> dict:
     from runtime.decode import run_speculative
 
     pair = embedded_pair()
@@ -119,7 +139,7 @@ def part_spec(repeats: int, tokens: int, emulate: list[float]) -> dict:
             for v, (cutoff, j) in SPEC_VARIANTS.items():
                 tps, miss, mb, n = [], 0, 0, 0
                 for p in prompts:
-                    om = OffloadedModel.load(pair.target, OffloadConfig(budget="25%", inject=f"slow:ms={ms}" if ms else ""))
+                    om = OffloadedModel.load(target, OffloadConfig(budget="25%", inject=f"slow:ms={ms}" if ms else ""))
                     try:
                         ids = list(om.tokenizer.encode(p))
                         _, st, _ = run_speculative(om, pair.default_drafter, ids, max_tokens=tokens, num_draft=3,
@@ -132,8 +152,8 @@ def part_spec(repeats: int, tokens: int, emulate: list[float]) -> dict:
                     n += st.n_tokens
                 runs[v].append(statistics.median(tps))
                 extra[v].append({"misses_per_token": miss / n, "mb_per_token": mb / 1e6 / n})
-        label = f"EMULATED +{ms:g} ms/read" if ms else "real reads"
-        print(f"\nspeculative decoding at 25% (K=3), {label}: decode tok/s median (min-max) over {repeats} interleaved "
+        label = f"EMULATED +{ms:g} ms per expert read" if ms else "real reads"
+        print(f"\nspeculative decoding at 25% (K=3; packed store), {label}: decode tok/s median (min-max) over {repeats} interleaved "
               f"repeats of {len(prompts)} prompts x {tokens} tokens; ratio to L=0 per repeat")
         for v in SPEC_VARIANTS:
             ratio = [a / b for a, b in zip(runs[v], runs["L=0"])]

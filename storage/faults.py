@@ -10,7 +10,9 @@ Fault kinds (what a real disk or kernel can do to one positioned read):
          (PEP 475), so a wrapper is the only way a caller ever sees one.
 - short: deliver only a prefix of the range, fill the rest with 0xA5 garbage and
          return the short count (a reader that forgot to loop on partial reads).
-- slow:  sleep `ms` before an otherwise correct read.
+- slow:  sleep `ms` before an otherwise correct read. A delay per positioned read: a packed store reads an
+         expert in one, a raw checkpoint in one per tensor (nine for a 4-bit SwitchGLU), so benches that
+         emulate a latency per expert read packed stores.
 - flip:  read correctly, then flip one bit of the delivered bytes (silent
          corruption between the medium and memory).
 

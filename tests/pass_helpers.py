@@ -25,3 +25,27 @@ def pass_idle(om) -> bool:
     """Nothing pinned or held, no module left in device mode."""
     return (all((ls.pins == 0).all() and ls.held == 0 for ls in om.cache.table.layers.values())
             and all(m.device is None for m in om.modules.values()))
+
+
+def watch_repairs(monkeypatch) -> list:
+    """Record (layers found missing, layers the forward routed) at every whole-tail repair of a DevicePass."""
+    seen = []
+    real = DevicePass._repair
+
+    def repair(self, launch, missing, loaded):
+        seen.append((frozenset(missing), launch.route[0]))
+        return real(self, launch, missing, loaded)
+
+    monkeypatch.setattr(DevicePass, "_repair", repair)
+    return seen
+
+
+def route_syncs_read_nothing(monkeypatch) -> None:
+    """Break every DevicePass route sync: it syncs the codes but reads none of the absent experts."""
+    def no_reads(self, layer, indices, codes, ahead, held):
+        mx.eval(codes)
+        self.cache.host_syncs += 1
+        self.stats.route_syncs += 1
+        return False
+
+    monkeypatch.setattr(DevicePass, "_route_sync", no_reads)

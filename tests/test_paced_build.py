@@ -6,7 +6,6 @@ nothing left pinned, held or in device mode."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from mlx_lm import load
 
@@ -14,7 +13,7 @@ from runtime.decode.device_pass import DevicePass
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.decode.paced_build import PacedBuild
 from tests.conftest import PROMPT, greedy_ids
-from tests.pass_helpers import decode_through_pass, pass_idle
+from tests.pass_helpers import decode_through_pass, pass_idle, route_syncs_read_nothing
 
 N = 24
 
@@ -40,13 +39,7 @@ def test_staged_forwards_with_paced_next_builds_are_lossless(family, tiny_dirs):
 def test_a_stage_that_does_not_read_is_caught(tiny_dirs, monkeypatch):
     """The test above can fail: route syncs that see the absent experts but read none leave the forward to find
     them at its own sync (repairs in routed forwards)."""
-    def no_reads(self, layer, indices, codes, ahead, held):
-        mx.eval(codes)
-        self.cache.host_syncs += 1
-        self.stats.route_syncs += 1
-        return False
-
-    monkeypatch.setattr(DevicePass, "_route_sync", no_reads)
+    route_syncs_read_nothing(monkeypatch)
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
     try:
         tokens, dp = decode_through_pass(om, N, segment="auto")
@@ -122,13 +115,14 @@ def test_routed_and_one_sync_forwards_in_turn_are_built_early_and_lossless(famil
     """Every transition: a one-sync forward built a layer at a time between a staged forward's route syncs (held
     and queued when it becomes pending), and a staged forward built while a one-sync forward computes (queued
     when it becomes pending). Forwards alternate between routed and one-sync (no segments) here."""
-    real = DevicePass._route_each_layer
+    real = DevicePass._route_set
 
-    def alternate(self, n_tokens, segments):  # the forward numbered stats.passes is routed when it is odd
-        return real(self, n_tokens, segments) if n_tokens > 1 else self.stats.passes % 2 == 1
+    def alternate(self, n_tokens, segments):  # the forward numbered stats.passes routes every layer when it is odd
+        if n_tokens > 1:
+            return real(self, n_tokens, segments)
+        return self.lookup_layers if self.stats.passes % 2 == 1 else frozenset()
 
-    monkeypatch.setattr(DevicePass, "_route_each_layer", alternate)
-    monkeypatch.setattr(DevicePass, "_boundaries", lambda self, cache, n_tokens: frozenset())
+    monkeypatch.setattr(DevicePass, "_route_set", alternate)
     om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="25%"))
     try:
         tokens, dp = decode_through_pass(om, N, segment="auto")

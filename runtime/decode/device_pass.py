@@ -79,7 +79,7 @@ class _Launch:
 class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
     def __init__(self, om, max_repairs: int | None = None, segment: int | str | None = None,
                  sync_cost: float | None = None, build_next: bool = True, route: bool = True,
-                 route_ahead: bool | str | None = None, staged: bool = True):
+                 route_ahead: bool | str | None = None, staged: bool = True, route_all: bool = False):
         """segment: repair within segments of S decoder layers (runtime/decode/segment_repair.py): None
         never, "auto" when recent repairs make it pay, or S; sync_cost: q of that file (None: measured).
         build_next: launch_next() may build the next token's forward before the pending one's sync
@@ -87,7 +87,8 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         route_ahead: whether routed forwards' route syncs prefetch later layers (True/"on", False/"off", or "auto":
         while reads are slow; runtime/decode/route_ahead.py); None: the model's OffloadConfig.route_ahead.
         staged: routed one-token forwards are built whole and synced by finish() while the next one is built
-        (runtime/decode/paced_build.py; with build_next); False: they sync as they are built."""
+        (runtime/decode/paced_build.py; with build_next); False: they sync as they are built. route_all: a forward
+        that routes a layer routes every layer (for comparison with per-layer routes)."""
         self.om = om
         self.cache = om.cache
         self.modules = om.modules
@@ -113,7 +114,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         self._forward_repairs = 0  # repairs inside this forward (at segment boundaries)
         self._init_segments(segment, sync_cost)
         self._init_next(build_next)
-        self._init_route(route, getattr(om, "route_ahead", "off") if route_ahead is None else route_ahead)
+        self._init_route(route, getattr(om, "route_ahead", "off") if route_ahead is None else route_ahead, route_all)
         self.stage_routes = staged
 
     # -- fed by the modules --------------------------------------------------------------
@@ -159,13 +160,13 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         # No segments with a router lookahead attached: in a pass its forecast rides on the one sync and widens
         # the repair's reads (runtime/decode/lookahead_pass.py); prefetching ones keep synced calls anyway.
         segments = segments and not any(self.modules[l].lookahead is not None for l in self.order)
-        routed = self._route_each_layer(n_tokens, segments)  # misses so frequent: each layer syncs before its experts
+        routes = self._route_set(n_tokens, segments)  # the layers whose misses are frequent: they sync first
         self._routed_reads = 0
         # A routed one-token forward is staged when next forwards may be built: built whole, synced layer by layer
         # by finish() while the next one is built (runtime/decode/paced_build.py). Windows sync as they build.
-        route = self._route_config(routed, staged=routed and n_tokens == 1 and self.build_next and self.stage_routes)
-        self.stats.routed += routed
-        self.replay.start(self._boundaries(cache, n_tokens) if segments and not routed else frozenset(),
+        route = self._route_config(routes, staged=n_tokens == 1 and self.build_next and self.stage_routes)
+        self.stats.routed += bool(routes)
+        self.replay.start(self._boundaries(cache, n_tokens) if segments and not routes else frozenset(),
                           self._boundary)
         try:
             self._launch = self._build(forward, cache, n_tokens, snapshot, route)
@@ -259,7 +260,8 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
             missing = self._sync(launch)
             if missing:
                 self._drop_next()  # built on this forward's output, which the repair changes
-            repairs = 0
+            repairs, t_repair, recomputed = 0, time.perf_counter(), self.stats.recomputed_layers
+            forward_s = t_repair - launch.started  # E's layer time before a forward was timed (route_sync.py)
             while missing:
                 repairs += 1
                 if repairs > self.max_repairs:
@@ -276,6 +278,11 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         repairs += self._forward_repairs
         # A routed forward's layers that read would each have been a repair at S = 1: they keep the rate honest.
         self._note_repairs(launch.n_tokens, repairs + self._routed_reads)
+        if launch.n_tokens == 1 and self.routes_per_layer:
+            self._note_layer_misses(loaded)
+            if repairs > self._forward_repairs:  # repaired here (no segments with routes): E's sample
+                self._note_repair_time(time.perf_counter() - t_repair, self.stats.recomputed_layers - recomputed,
+                                       forward_s)
         if not repairs and not self._routed_reads and launch.n_tokens == 1 and self.segment == "auto":
             # q's layer time (segment_repair.py): a forward that read nothing, less the syncs inside it
             inner = self.stats.boundary_syncs - self._bsyncs0 + len(launch.route[0])

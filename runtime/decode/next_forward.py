@@ -8,9 +8,9 @@ promotes forward n+1 to the pending forward (n was accepted) or drops it (n need
 hold (if it had one) is released and the one position it wrote is rolled back in every cache (trim, or
 the snapshot of the untrimmable state taken before it was built), before n is repaired. How n+1 is built
 (`launch_next()`, `_next_plan()`):
-- n and n+1 one sync each: built and queued at once (mx.async_eval, no sync), only while a repair is
-  unlikely -- the recent repair rate under NEXT_MAX_REPAIR_RATE -- and no segments would be cut: a dropped
-  forward then cost its whole compute.
+- n and n+1 one sync each (no segments would be cut): built at once; queued at once (mx.async_eval, no sync)
+  while a repair is unlikely -- the recent repair rate under NEXT_MAX_REPAIR_RATE: a dropped forward that was
+  queued costs its whole compute --, else queued when it becomes pending (a drop costs its build only).
 - n+1 staged (routed, runtime/decode/route_sync.py) after a one-sync n: built at once, queued (up to its
   first route sync) when it becomes pending. A drop costs only its build, so no rate gate.
 - after a staged n: built a layer at a time between n's route syncs (runtime/decode/paced_build.py),
@@ -72,19 +72,19 @@ class NextForward:
                 and launch.n_tokens == 1 and not self.om.forward_hooks and len(launch.layers) == len(self.order)
                 and all(self.modules[l].lookahead is None for l in self.order)):
             return None
-        routed = self._route_each_layer(1, True)
-        if routed and not self.stage_routes:
+        routes = self._route_set(1, True)
+        if routes and not self.stage_routes:
             return None  # it would sync while it is built
-        if not routed and self._boundaries(launch.cache, 1):
+        if not routes and self._boundaries(launch.cache, 1):
             return None  # its segment boundaries would sync while it is built
         paced = launch.route[2]  # nothing built on a staged forward's output is queued before its route syncs end
-        if routed or paced:
+        if routes or paced:
             # Queued only once the pending forward is accepted: built for nothing at worst, never computed for
             # nothing, so no rate gate.
-            return self._route_config(routed, staged=routed), paced, False
-        if self.repair_rate > NEXT_MAX_REPAIR_RATE:
-            return None  # queued at once: a repair of the pending forward would throw its compute away
-        return self._route_config(False, staged=False), False, True
+            return self._route_config(routes, staged=True), paced, False
+        # Two one-sync forwards: queued at once while a repair of the pending one is unlikely; else queued when it
+        # becomes pending (a repair of the pending forward then throws away its build, not its compute).
+        return self._route_config(frozenset(), staged=False), False, self.repair_rate <= NEXT_MAX_REPAIR_RATE
 
     def launch_next(self, make_forward: Callable[[object], Callable]) -> bool:
         """Build make_forward(pending output) -- the next one-token forward, on the pending forward's lazy

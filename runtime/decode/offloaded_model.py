@@ -110,6 +110,9 @@ class OffloadedModel:
         self.lookahead = None  # the attached LookaheadPrefetch (set_lookahead), if any
         # Plain decoding's recent repairs per forward, carried from one generation to the next (segment_repair.py)
         self.decode_repair_rate = 0.0
+        # ... and each MoE layer's recent miss rate, which decides the layers that sync before their experts (route_sync.py)
+        self.decode_layer_miss = None
+        self.decode_repair_extra = None
         self.route_ahead = "off"  # OffloadConfig.route_ahead: device passes' default (runtime/decode/route_ahead.py)
         for m in modules.values():
             m.telemetry = telemetry

@@ -102,8 +102,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
 
     `om` (an OffloadedModel) supplies paging counters and, unless one_sync is "off", its decode steps
     run as device passes (one host sync per token, repaired when an expert was absent; "on" keeps it so,
-    "auto" also syncs at segment boundaries inside a forward while misses are frequent, so a repair
-    recomputes one segment: runtime/decode/segment_repair.py). Before the prefill the cache is warmed: every expert when the budget holds them all,
+    "auto" also syncs before the experts of each layer whose recent misses make that pay, so a miss there costs
+    its read and no recompute: runtime/decode/route_sync.py). Before the prefill the cache is warmed: every expert when the budget holds them all,
     else the most used per `warm` (a routing trace or expert counts); decoding starts once those reads
     are in.
     `sampler` (mlx-lm's make_sampler) overrides temp/top_p. `progress` (a PrefillProgress) shows the

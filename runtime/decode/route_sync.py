@@ -1,40 +1,54 @@
-"""RouteSync: when misses make every layer sync anyway, sync each layer's routing *before* its experts run
+"""RouteSync: sync a layer's routing *before* its experts run, in the layers where misses make that pay
 (DevicePass mixin).
 
-Segment repairs (runtime/decode/segment_repair.py) at S = 1 sync after every decoder layer and, when a
-layer's experts were absent, read them and run the layer again. The same number of syncs placed one step
-earlier -- on the layer's lookup codes, after its router and before its experts -- finds the absent
-experts before anything used them: they are read, the layer looks them up again and runs once. A miss
-then costs its read and no recompute, no rollback and no replay.
+A one-sync forward finds an absent expert only at its sync, after every later layer ran on the wrong output:
+the repair recomputes from the first missing layer to the end (device_pass.py). A sync placed on one layer's
+lookup codes, after its router and before its experts, finds that layer's absent experts before anything used
+them: they are read, the layer looks them up again and runs once. A miss there costs its read and no recompute.
+Such a sync costs q (a host sync's price in decoder-layer recomputes, segment_repair.py's sync_cost) whether
+anything is absent or not, so it pays only in layers that miss often enough.
 
-So while "auto" cuts one-token forwards into segments and a sync per layer costs no more than those
-segments (L q <= r S / 2 + (L / S - 1) q in segment_repair.py's terms; always at S = 1), the forward is
-*routed* instead: every MoE layer that looks up on the device calls route() with its lazy codes. route() evaluates
-them (one host sync: the forward's prefix is evaluated with them), and if a code names an absent expert
-it releases the forward's hold (everything built so far is evaluated), reads the layer's absent experts
-(the layer's other experts pinned: they never evict each other), holds again and tells the layer to look
-up again. Nothing can evict between that lookup and the forward's sync (the hold). The rate that decides
-S counts a routed forward's layers that read (each would have been a repair at S = 1), so the choice holds
-while misses stay that frequent.
+Per-layer routes ("auto", one-token forwards). Each MoE layer l keeps p_l, the share of recent forwards (decayed,
+LAYER_DECAY: about the last 50) in which it read an expert -- at its route sync, or in a repair. A miss left to the
+forward's sync costs the layers from l to the end again (R_l), what a repair costs besides (E: the model's head run
+again, the repair's reads waited, its rebuild and queueing, the next forward dropped; measured from the repairs'
+wall time over the timed forwards' layer time) and a sync; a route sync costs q. So layer l is routed while
+
+    p_l (R_l + E + q) > q
+
+and looked up without a sync otherwise. Early layers (a miss there recomputes most of the forward) route at small
+rates, the last layer only when it misses in about q / (1 + E + q) of the forwards; layers that never miss never
+sync (on this CPU q ~0.03-0.05, on a Mac's GPU larger). The rates start at 0 (no routes: one sync) and are carried
+across generations on the OffloadedModel (`decode_layer_miss`, `decode_repair_extra`). "auto" with routes on cuts
+no segments: a routed layer is a segment boundary placed one step earlier, which recomputes nothing (segments
+remain for route=False and an explicit segment size). Verify windows (several tokens) are routed whole while their
+owner says so (runtime/decode/speculative.py).
+
+A routed layer calls route() with its lazy codes. route() evaluates them (one host sync: the forward's prefix
+is evaluated with them), and if a code names an absent expert it releases the forward's hold (everything built
+so far is evaluated), reads the layer's absent experts (the layer's other experts pinned: they never evict each
+other), holds again and tells the layer to look up again. Nothing can evict between that lookup and the
+forward's sync (the hold), and a read evicts only in its own layer's slots.
 
 Staged forwards. Plain decoding builds token n+1's forward while token n computes (next_forward.py); a forward
 that syncs while it is built cannot overlap like that, and here its Python build (~1-2 ms a token) then adds to
 the device's time. So a routed one-token forward, when next forwards are built, is *staged*: it is built whole
-with no sync -- each layer calls stage() with its lazy codes and looks its slots up again in a second node that
-only its experts use -- and finish() runs the route syncs (run_stages()): each evaluates the forward up to one
-layer's codes and reads what is absent before anything evaluates that layer's experts (their lookup reads the
-table when it runs). Between queueing a step and waiting for it, the host builds one layer of the next forward
-(runtime/decode/paced_build.py). Verify windows (several tokens, no next forward) sync as they are built.
+with no sync -- each routed layer calls stage() with its lazy codes and looks its slots up again in a second
+node that only its experts use -- and finish() runs the route syncs (run_stages()): each evaluates the forward
+up to one layer's codes and reads what is absent before anything evaluates that layer's experts (their lookup
+reads the table when it runs). Between queueing a step and waiting for it, the host builds one layer of the next
+forward (runtime/decode/paced_build.py). Verify windows (no next forward) sync as they are built.
 
 With route-ahead on (runtime/decode/route_ahead.py), a route sync also reads back the router lookahead's
 forecast of the next layers, computed from this layer's input, and queues the forecast experts that have
 no slot as prefetches after this layer's own reads, inside the same release of the hold.
 
-Invariants: a routed layer runs only on codes that name resident experts, so the forward's own sync finds
-none absent and it repairs nothing; the codes recorded for the pass are the ones the layer ran with; reads
-happen only with no graph pending that reads a slot (the hold is released exactly around them). A staged
-forward holds nothing while it is built and nothing of it is queued but its first route sync (its layers are
-held from its first route sync to its own sync); no forward built on its output is queued before its syncs end.
+Invariants: a routed layer runs only on codes that name resident experts (only the forward's unrouted layers
+can be missing at its sync, and a repair recomputes from the first of them); the codes recorded for the pass
+are the ones each layer ran with; reads happen only with no graph pending that reads a slot (the hold is
+released exactly around them). A staged forward holds nothing while it is built and nothing of it is queued but
+its first route sync (its layers are held from its first route sync to its own sync); no forward built on its
+output is queued before its syncs end.
 """
 
 from __future__ import annotations
@@ -43,15 +57,37 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.decode.route_ahead import RouteAhead
+from runtime.decode.segment_repair import RATE_DECAY
+
+# E before a repair was timed, in decoder-layer times: a repair also runs the model's head again, waits for its
+# reads, rebuilds and queues with nothing to overlap, and drops the next forward built on the wrong output.
+# Measured here ~6 on the synthetic 8-layer model (this CPU backend queues nearly synchronously).
+REPAIR_EXTRA = 2.0
+# Weight of the past in a layer's miss rate: about the last 50 forwards. The rule routes a layer at rates down to
+# q / (R + E + q) (~0.005 here); a memory of ~10 forwards forgets a layer that misses once in 30 before its next
+# miss, which then costs a repair.
+LAYER_DECAY = 0.98
 
 
 class RouteSync:
-    """Mixin of DevicePass: uses its cache, stats, flush(), _cur (the build's held layers), _loaded, lookup_layers."""
+    """Mixin of DevicePass: uses its cache, stats, flush(), _cur (the build's held layers), _loaded, lookup_layers,
+    order, index, and SegmentRepair's segment, sync_cost and _n_layers (initialized first)."""
 
-    def _init_route(self, enabled: bool, ahead: bool | str = "off") -> None:
+    def _init_route(self, enabled: bool, ahead: bool | str = "off", every_layer: bool = False) -> None:
         self.route_enabled = enabled  # False: never routed (segments instead; for comparison)
+        self.route_all = every_layer  # a forward that routes a layer routes them all (for comparison)
         self.route_windows = False  # route forwards of several tokens (verify windows); set by their owner
         self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
+        # p_l per MoE layer (self.order's order) and R_l, the decoder layers a repair from it recomputes
+        carried = getattr(self.om, "decode_layer_miss", None) if self.segment == "auto" else None
+        self.layer_miss = np.array(carried if carried is not None and len(carried) == len(self.order)
+                                   else np.zeros(len(self.order)), dtype=np.float64)
+        self._miss_pos = {l: i for i, l in enumerate(self.order)}
+        self._tail = np.array([self._n_layers - self.index[l] for l in self.order], dtype=np.float64)
+        self._route_key, self._routes = None, frozenset()  # the last rule's outcome (mask bytes, lookup key)
+        self._missed = bool(self.layer_miss.any())  # False while no layer ever read: nothing to weigh per forward
+        # E: what a repair costs beyond the layers it recomputes, in decoder-layer times (measured, carried)
+        self.repair_extra = getattr(self.om, "decode_repair_extra", None) or REPAIR_EXTRA
         self._routed_reads = 0  # layers of the forward being built that read at their route()
         self.route_ahead = RouteAhead(self.om, ahead)  # route syncs that also prefetch later layers (route_ahead.py)
         self.ahead_on = False  # whether the forward being built forecasts ahead at its route syncs
@@ -62,23 +98,52 @@ class RouteSync:
         self._stages: list = []  # (layer, indices, codes, ahead) of the forward being built, in build order
         self._pacer = None  # the PacedBuild of the next forward, while the pending one's route syncs run
 
-    def _route_each_layer(self, n_tokens: int, segments: bool) -> bool:
-        """Whether this "auto" one-token forward is routed: when a sync per layer (L q, in layer recomputes)
-        costs no more than the segments it replaces (r S / 2 recomputed + (L / S - 1) q; S = 1 always)."""
-        if n_tokens > 1:  # a verify window: routed while its owner says so (runtime/decode/speculative.py)
-            return self.route_enabled and self.route_windows
-        if not (self.route_enabled and segments and self.segment == "auto"):
-            return False
-        s = self.segment_size()
-        if s is None:
-            return False
-        q, L, r = self.sync_cost, self._n_layers, self.repair_rate
-        return s == 1 or L * q <= r * s / 2 + (L / s - 1) * q
+    def _route_set(self, n_tokens: int, segments: bool) -> frozenset:
+        """The layers this forward routes (syncs before their experts): a verify window's while its owner says so;
+        an "auto" one-token forward's where p_l (R_l + q) > q (the module docstring); none otherwise."""
+        if n_tokens > 1:
+            return self.lookup_layers if self.route_enabled and self.route_windows else frozenset()
+        if not (self.route_enabled and segments and self.segment == "auto" and self._missed):
+            return frozenset()
+        q = self.sync_cost
+        mask = self.layer_miss * (self._tail + self.repair_extra + q) > q
+        key = (mask.tobytes(), self.lookup_layers)
+        if key != self._route_key:  # changes only when a rate crosses its threshold, or the lookups change
+            self._route_key = key
+            self._routes = frozenset(l for l, m in zip(self.order, mask.tolist()) if m) & self.lookup_layers
+            if self.route_all and self._routes:
+                self._routes = self.lookup_layers
+        return self._routes
 
-    def _route_config(self, routed: bool, staged: bool) -> tuple:
+    def _note_layer_misses(self, loaded: dict) -> None:
+        """After an accepted one-token "auto" forward: decay every layer's rate, count the layers that read."""
+        if not loaded and not self._missed:
+            return  # every rate is 0 (a full budget): nothing to decay
+        self._missed = True
+        self.layer_miss *= LAYER_DECAY
+        for layer in loaded:
+            self.layer_miss[self._miss_pos[layer]] += 1 - LAYER_DECAY
+        self.om.decode_layer_miss = self.layer_miss
+
+    def _note_repair_time(self, seconds: float, recomputed: int, forward_s: float) -> None:
+        """A one-token forward's repairs took `seconds` from the sync that found the miss to the one that passed,
+        recomputing `recomputed` decoder layers: E is the rest, in decoder-layer times (of the timed forwards, or
+        before one was timed of this forward's own build-to-sync time, `forward_s`)."""
+        layer_s = (self._forward_s or forward_s) / max(1, self._n_layers)
+        if layer_s <= 0:
+            return
+        extra = max(0.0, seconds / layer_s - recomputed)
+        self.repair_extra = RATE_DECAY * self.repair_extra + (1 - RATE_DECAY) * extra
+        self.om.decode_repair_extra = self.repair_extra
+
+    @property
+    def routes_per_layer(self) -> bool:
+        """Whether "auto" one-token forwards choose routed layers (then they cut no segments)."""
+        return self.route_enabled and self.segment == "auto"
+
+    def _route_config(self, layers: frozenset, staged: bool) -> tuple:
         """(route layers, route-ahead on, staged) of a forward to build: what its modules read while it is built."""
-        return (self.lookup_layers if routed else frozenset(), bool(routed) and self.route_ahead.active(),
-                bool(routed and staged))
+        return layers, bool(layers) and self.route_ahead.active(), bool(layers) and staged
 
     @staticmethod
     def _queue_stage(stage: tuple) -> None:

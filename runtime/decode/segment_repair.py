@@ -100,7 +100,7 @@ class SegmentRepair:
         return max(1, s) if s < self._n_layers else None
 
     def _boundaries(self, cache: list, n_tokens: int) -> frozenset:
-        s = self.segment_size()
+        s = None if self.routes_per_layer else self.segment_size()  # routes replace segments (route_sync.py)
         if s is None or s >= self._n_layers or any(isinstance(c, RotatingKVCache) for c in cache):
             return frozenset()
         return frozenset(range(s - 1, self._n_layers - 1, s))
