@@ -13,6 +13,8 @@
      (flush(defer=True): DEFER_FORWARDS hit forwards at a time), and one forward at a time.
    Target: call + bookkeeping <= 15 us. Wall-clock on a shared, loaded 2-core machine:
    read the spreads; the thread's CPU time is reported beside it.
+3. Host time per demand read: load_absent() of one expert from the page cache (the read is a memory copy;
+   the rest is the host's room check, victim choice, pins, checksum and commit), wall and thread CPU.
 
 Prints tables and ends with one JSON line.
 """
@@ -163,6 +165,36 @@ def layer_call_bench(path: Path, batches: int, per_batch: int) -> dict:
         om.close()
 
 
+def read_cost_bench(path: Path, batches: int, per_batch: int) -> dict:
+    """Host time per demand read: load_absent() of one random expert at 25% of the packed synthetic store (files
+    in the page cache, so the read is a memory copy and the rest is the host's own work: room, victim, pins,
+    checksum, commit). Per call that read; wall and this thread's CPU; median [min-max] of the batches."""
+    import numpy as np
+
+    from storage.packer import convert
+
+    with tempfile.TemporaryDirectory() as tmp:
+        om = OffloadedModel.load(convert(path, Path(tmp) / "packed"), OffloadConfig(budget="25%"))
+        try:
+            rng = np.random.default_rng(0)
+            layers = sorted(om.modules)
+            n_experts = om.cache.table.layers[layers[0]].expert_to_slot.size
+            walls, cpus = [], []
+            for b in range(batches + 1):  # the first batch warms up
+                r0, t0, c0 = om.loader.stats.n_requests, time.perf_counter(), time.thread_time()
+                for _ in range(per_batch):
+                    om.cache.load_absent({layers[rng.integers(len(layers))]: np.array([rng.integers(n_experts)])})
+                reads = om.loader.stats.n_requests - r0
+                if b and reads:
+                    walls.append((time.perf_counter() - t0) / reads * 1e6)
+                    cpus.append((time.thread_time() - c0) / reads * 1e6)
+            expert_kb = om.store.layout(layers[0]).expert_bytes / 1024
+        finally:
+            om.close()
+    return {"wall_us": statistics.median(walls), "wall_min_us": min(walls), "wall_max_us": max(walls),
+            "cpu_us": statistics.median(cpus), "cpu_min_us": min(cpus), "cpu_max_us": max(cpus), "expert_kb": expert_kb}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=48)
@@ -213,6 +245,13 @@ def main() -> None:
                      f"({call['call_overhead_cpu_min_us']:.1f}-{call['call_overhead_cpu_max_us']:.1f}) + bookkeeping "
                      f"{call['bookkeeping_cpu_us']:.1f} us ({call['bookkeeping_cpu_min_us']:.1f}-"
                      f"{call['bookkeeping_cpu_max_us']:.1f}) = {call['total_cpu_us']:.1f} us per layer call")
+        rc = read_cost_bench(synthetic, args.batches, args.per_batch)
+        result["read_cost"] = rc
+        lines.append("")
+        lines.append(f"Host time per demand read (load_absent of one expert, {rc['expert_kb']:.0f} KB, synthetic packed "
+                     f"at 25%, page cache; median of {args.batches} batches of {args.per_batch} calls, per call that "
+                     f"read; min-max): wall {rc['wall_us']:.0f} us ({rc['wall_min_us']:.0f}-{rc['wall_max_us']:.0f}), "
+                     f"this thread's CPU {rc['cpu_us']:.0f} us ({rc['cpu_min_us']:.0f}-{rc['cpu_max_us']:.0f})")
     lines.append(json.dumps(result))
     print("\n".join(lines))
     if args.out:

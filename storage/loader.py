@@ -25,10 +25,10 @@ import heapq
 import itertools
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from storage.checksum import crc32_of
 from storage.errors import StoreError
 from storage.keys import ExpertKey
 from storage.reader import IO_MODES, RangeReader
@@ -272,10 +272,7 @@ class AsyncLoader:
         expected = self.store.checksum(key)
         if expected is None:
             return True
-        crc = 0
-        for v in views:
-            crc = zlib.crc32(memoryview(v).cast("B"), crc)
-        return crc == expected
+        return crc32_of(views) == expected
 
     def _finish(self, ticket: LoadTicket) -> None:
         try:

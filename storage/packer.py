@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from storage.checksum import crc32_of
 from storage.errors import StoreError
 from storage.keys import ExpertKey
 from storage.packed_format import RECORD_ALIGN, RESIDENT_FILE, STORE_FILE, manifest_json
@@ -99,7 +99,7 @@ def _write_layer(src: ExpertStore, layer: int, path: Path, progress: Callable[[i
         out.write(header)
         for x in range(lay.n_experts):
             src.read_into(ExpertKey(layer, x), views)
-            records.append([len(header) + x * stride, zlib.crc32(buf[:record])])
+            records.append([len(header) + x * stride, crc32_of([buf[:record]])])
             out.write(buf.tobytes())
             progress(record)
         out.flush()

@@ -16,10 +16,10 @@ layout order; read_into() fills the caller's views completely or raises.
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.checksum import crc32_of
 from storage.errors import StoreError
 from storage.keys import ExpertKey
 from storage.layout import LayerLayout, discover_layouts
@@ -211,10 +211,7 @@ class ExpertStore:
 
             views = [np.empty(t.nbytes, np.uint8) for t in self.layout(key.layer).tensors]
             self.read_into(key, views)
-        crc = 0
-        for v in views:
-            crc = zlib.crc32(memoryview(v).cast("B"), crc)
-        return crc == expected
+        return crc32_of(views) == expected
 
     def close(self) -> None:
         self.reader.close()

@@ -77,3 +77,19 @@ def test_dlfu_misses_less_than_lru_on_skewed_routing_and_never_beats_belady():
     assert dlfu < 0.9 * lru
     assert dlfu >= belady(seqs, 8).misses
     assert DEFAULT_POLICY == "dlfu"
+
+
+def test_the_victim_is_the_lowest_score_then_the_least_recent():
+    """victim() inlines score(): over random uses, inserts and candidate sets it picks what min() over
+    (score(expert), last use) picks, ties to the first candidate (a changed decay or tie rule fails it)."""
+    rng = np.random.default_rng(3)
+    policy = DecayedLFUPolicy(16, half_life=40)
+    for slot in range(16):
+        policy.on_insert(slot, int(slot), prefetch=bool(slot % 5 == 0))
+    for step in range(2000):
+        policy.on_access(int(rng.integers(16)))
+        if step % 7 == 0:  # an eviction brings another expert (history kept per expert) into some slot
+            policy.on_insert(int(rng.integers(16)), int(rng.integers(64)), prefetch=bool(rng.integers(2)))
+        candidates = sorted(rng.choice(16, size=int(rng.integers(1, 17)), replace=False).tolist())
+        expected = min(candidates, key=lambda s: (policy.score(policy._expert[s]), policy._last[s]))
+        assert policy.victim(candidates) == expected

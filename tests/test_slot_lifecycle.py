@@ -213,3 +213,25 @@ def test_the_oracle_variant_starts_from_an_empty_cache(tiny_dirs):
         finally:
             om.close()
     assert read["none"][0] > 0 and read["oracle"] == read["none"], read
+
+
+def test_not_holding_marks_exactly_the_slots_holding_the_experts():
+    """LayerSlots.not_holding (from expert_to_slot) equals "owner not among the experts" on every slot that
+    holds an expert, through reserves, commits, aborts, evictions and a shrink (it replaced np.isin)."""
+    from runtime.cache.slot_table import SlotTable
+
+    rng = np.random.default_rng(5)
+    table = SlotTable({0: 32}, {0: 8}, policy="dlfu")
+    ls = table.layers[0]
+    for step in range(3000):
+        e = int(rng.integers(32))
+        key = ExpertKey(0, e)
+        if ls.expert_to_slot[e] < 0:
+            if table.reserve(key) is not None:
+                (table.commit if rng.integers(4) else table.abort)(key)
+        if step == 1500:
+            table.set_usable(0, 5)
+        experts = rng.choice(32, size=int(rng.integers(1, 6)), replace=False)
+        held = ls.state[: ls.usable] != FREE
+        owners = ls.slot_to_expert[: ls.usable]
+        np.testing.assert_array_equal(ls.not_holding(experts)[held], ~np.isin(owners, experts)[held])

@@ -69,4 +69,15 @@ class DecayedLFUPolicy:
         self._tick = tick
 
     def victim(self, candidates: list[int]) -> int:
-        return min(candidates, key=lambda s: (self.score(self._expert[s]), self._last[s]))
+        """The candidate whose expert has the lowest score, ties to the least recent: score()'s arithmetic, inlined
+        (a read's victim search was ~1.5 us per candidate through score() and a key lambda)."""
+        tick, rate, exp = self._tick, self._rate, math.exp
+        count, stamp, expert, last = self._count, self._stamp, self._expert, self._last
+        best, best_key = candidates[0], None
+        for s in candidates:
+            e = expert[s]
+            c = count.get(e)
+            key = (0.0 if c is None else c * exp(-rate * (tick - stamp[e])), last[s])
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        return best

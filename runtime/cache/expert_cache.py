@@ -237,7 +237,7 @@ class ExpertCache(ResidentTables):
                 if n_absent == 0:
                     return
                 state, pins, owner = ls.state[: ls.usable], ls.pins[: ls.usable], ls.slot_to_expert[: ls.usable]
-                others = ~np.isin(owner, experts)
+                others = ls.not_holding(experts)
                 room = int(((state == FREE) | ((state == VALID) & (pins == 0) & others)).sum())
                 busy = np.flatnonzero((state == LOADING) & (pins == 0) & others)
                 if n_absent <= room or not len(busy):

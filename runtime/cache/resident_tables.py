@@ -143,8 +143,8 @@ class ResidentTables:
     def _room(self, layer: int, experts: np.ndarray) -> int:
         """Slots a load for `experts` may take now (lock held): free, or valid, unpinned and not needed."""
         ls = self.table.layers[layer]
-        state, pins, owner = ls.state[: ls.usable], ls.pins[: ls.usable], ls.slot_to_expert[: ls.usable]
-        return int(((state == FREE) | ((state == VALID) & (pins == 0) & ~np.isin(owner, experts))).sum())
+        state, pins = ls.state[: ls.usable], ls.pins[: ls.usable]
+        return int(((state == FREE) | ((state == VALID) & (pins == 0) & ls.not_holding(experts))).sum())
 
     def _pin_and_read(self, layer: int, experts: np.ndarray, read: np.ndarray, tickets: list, reserved: list,
                       pinned: list) -> None:

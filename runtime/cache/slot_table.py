@@ -71,6 +71,14 @@ class LayerSlots:
         """Per expert: no valid slot (what a device lookup flags)."""
         return self.resident[experts] >= self.n_slots
 
+    def not_holding(self, experts: np.ndarray) -> np.ndarray:
+        """Per usable slot: it holds (valid or loading) none of `experts`. From expert_to_slot, the inverse of
+        slot_to_expert for every slot that holds an expert: ~2 us where np.isin over the owners took ~20-40."""
+        mask = np.ones(self.usable, bool)
+        slots = self.expert_to_slot[experts]
+        mask[slots[(slots >= 0) & (slots < self.usable)]] = False
+        return mask
+
 
 class SlotTable:
     def __init__(self, n_experts: dict[int, int], slots: dict[int, int], policy: str = "lru", resident=None):
