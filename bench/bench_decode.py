@@ -48,6 +48,22 @@ PROMPTS = [
 ]
 
 
+# Ablation variants: (name suffix, flag, default budgets, the one-sync modes it applies to, decode_tps options, what
+# it leaves out). Each runs beside its budget's variant, with one option changed.
+ABLATIONS = [
+    ("next off", "--next-off", "100%", ("auto", "on"), dict(build_next=False),
+     "without building the next forward before the previous one's sync (runtime/decode/next_forward.py)"),
+    ("route off", "--route-off", "50%,25%", ("auto",), dict(route=False),
+     "\"auto\" without routed layers (segment repairs only; runtime/decode/route_sync.py)"),
+    ("all layers", "--route-all", "50%,25%", ("auto",), dict(route="all"),
+     "\"auto\" routing every layer of a forward that routes any, instead of only the layers whose misses make a "
+     "sync pay (runtime/decode/route_sync.py)"),
+    ("staged off", "--staged-off", "50%,25%", ("auto",), dict(staged=False),
+     "\"auto\" with routed forwards that sync as they are built, no next forward built between their route syncs "
+     "(runtime/decode/paced_build.py)"),
+]
+
+
 def _counters(om) -> dict:
     return {**om.counters(), "host_syncs": om.cache.host_syncs}
 
@@ -102,23 +118,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--budgets", default="100%,50%,25%")
     ap.add_argument("--one-sync", default="auto,on",
-                    help="comma list of: auto (device passes with segment repairs when misses are frequent, as "
-                         "`specmoe generate` runs them), on (device passes, one sync + one per repair), off (one host "
+                    help="comma list of: auto (device passes that sync before the layers whose misses make it pay, "
+                         "as `specmoe generate` runs them), on (device passes, one sync + one per repair), off (one host "
                          "sync per MoE layer); each is a variant per budget below 100%%")
-    ap.add_argument("--next-off", default="100%",
-                    help="comma list of budgets that also run a variant without building the next forward before "
-                         "the previous one's sync (runtime/decode/next_forward.py); empty: none")
-    ap.add_argument("--route-off", default="50%,25%",
-                    help="comma list of budgets that also run \"auto\" without routed forwards (segments only; "
-                         "runtime/decode/route_sync.py); empty: none")
-    ap.add_argument("--staged-off", default="50%,25%",
-                    help="comma list of budgets that also run \"auto\" with routed forwards that sync as they are "
-                         "built, no next forward built between their route syncs (runtime/decode/paced_build.py); "
-                         "empty: none")
-    ap.add_argument("--route-all", default="50%,25%",
-                    help="comma list of budgets that also run \"auto\" routing every layer of a forward that routes "
-                         "any (instead of only the layers whose misses make a sync pay; runtime/decode/route_sync.py); "
-                         "empty: none")
+    for _, flag, default, _, _, what in ABLATIONS:
+        ap.add_argument(flag, default=default,
+                        help=f"comma list of budgets that also run a variant {what}; empty: none (default %(default)s)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
     args = ap.parse_args()
     modes = args.one_sync.split(",")
@@ -129,23 +134,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or make_tiny(Path(tmp) / "m", "qwen3_moe", seed=0, layers=8, n_experts=64, top_k=4,
                                        hidden=256, expert_hidden=256)
-        next_off = [b for b in args.next_off.split(",") if b]
-        route_off = [b for b in args.route_off.split(",") if b]
-        staged_off = [b for b in args.staged_off.split(",") if b]
-        route_all = [b for b in args.route_all.split(",") if b]
+        ablations = [(suffix, [b for b in getattr(args, flag[2:].replace("-", "_")).split(",") if b], applies, options)
+                     for suffix, flag, _, applies, options, _ in ABLATIONS]
+        base = dict(build_next=True, route=True, staged=True)
         variants = [("stock", None, None, True, True, True)]
         for b in args.budgets.split(","):  # at 100% there is no repair: the modes but "off" run alike
             for m in (modes[:1] if b == "100%" and "off" not in modes else modes):
                 name = f"specmoe {b}" + (f" {m}" if len(modes) > 1 and b != "100%" else "")
                 variants.append((name, b, m, True, True, True))
-                if b in next_off and m != "off":
-                    variants.append((name + " next off", b, m, False, True, True))
-                if b in route_off and m == "auto":
-                    variants.append((name + " route off", b, m, True, False, True))
-                if b in route_all and m == "auto":
-                    variants.append((name + " all layers", b, m, True, "all", True))
-                if b in staged_off and m == "auto":
-                    variants.append((name + " staged off", b, m, True, True, False))
+                for suffix, budgets, applies, options in ablations:
+                    if b in budgets and m in applies:
+                        o = {**base, **options}
+                        variants.append((f"{name} {suffix}", b, m, o["build_next"], o["route"], o["staged"]))
         loaded = {}
         for name, budget, mode, build_next, route, staged in variants:
             if budget is None:
