@@ -126,3 +126,26 @@ def test_layer_miss_rates_carry_to_the_next_generation(tiny_dirs):
         assert np.array_equal(om.decode_layer_miss, carried)  # untouched by a pass that never routes per layer
     finally:
         om.close()
+
+
+def test_json_reports_route_syncs_per_token_and_the_layers_that_route(tiny_dirs):
+    """--json's GenerationStats: route syncs per decoded token and the MoE layers the rule routes at the end; at a
+    full budget none (one sync per token)."""
+    from runtime.decode.plain import generate_tokens
+
+    for budget in ("25%", "100%"):
+        om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget=budget))
+        try:
+            tokens, stats = generate_tokens(om.model, om.tokenizer.encode(PROMPT), max_tokens=N, om=om)
+            moe = set(om.modules)
+            if budget == "100%":
+                assert stats.route_syncs_per_token == 0 and stats.routed_layers == []
+                assert stats.host_syncs_per_token == 1.0
+            else:
+                assert stats.routed_layers and set(stats.routed_layers) <= moe
+                # every route sync is a host sync: at most the syncs per token beyond the token's own one
+                assert 0 < stats.route_syncs_per_token <= stats.host_syncs_per_token - 1 + 1e-9
+                assert stats.route_syncs_per_token <= len(moe)
+            assert stats.to_json()["routed_layers"] == stats.routed_layers
+        finally:
+            om.close()

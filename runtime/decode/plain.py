@@ -12,7 +12,7 @@ steady-state paging.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Generator
 
 import mlx.core as mx
@@ -52,7 +52,9 @@ class GenerationStats:
     prefetch_used_per_token: float = 0.0  # decode: of those, used by a call
     prefetch_wasted_per_token: float = 0.0  # decode: prefetched experts evicted unused
     early_forwards: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
-    routed_forwards: int = 0  # forwards that synced each MoE layer's routing before its experts (route_sync.py)
+    routed_forwards: int = 0  # forwards that synced some MoE layers' routing before their experts (route_sync.py)
+    route_syncs_per_token: float = 0.0  # decode: those syncs (one per routed layer) per generated token
+    routed_layers: list = field(default_factory=list)  # MoE layers whose miss rates route them at the end
 
     def line(self) -> str:
         return (f"{self.tokens_per_s:.1f} tok/s | hit rate {self.hit_rate:.1%} | "
@@ -71,6 +73,7 @@ def _counters(om, dp=None) -> dict:
                                               "prefetch_loaded": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
     c["host_syncs"] = om.cache.host_syncs if om is not None else 0
     c["repairs"] = dp.stats.repairs if dp is not None else 0
+    c["route_syncs"] = dp.stats.route_syncs if dp is not None else 0
     return c
 
 
@@ -168,7 +171,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
             if limit is not None and (len(tokens) == 1 or len(tokens) % 32 == 0):
                 limit.observe(kv, len(prompt_ids) + len(tokens), len(prompt_ids) + len(tokens) + 32, chunk=1)
             # syncs and repairs up to this token (the step generate_step computes after the last one is not a decoded token)
-            at_last = (om.cache.host_syncs, dp.stats.repairs if dp else 0) if om is not None else (0, 0)
+            at_last = (om.cache.host_syncs, dp.stats.repairs if dp else 0, dp.stats.route_syncs if dp else 0) \
+                if om is not None else (0, 0, 0)
             yield token
             if token in eos_ids:
                 break
@@ -216,6 +220,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         prefetch_wasted_per_token=(c2["prefetch_wasted"] - c1["prefetch_wasted"]) / n_decode if n_decode else 0.0,
         early_forwards=dp.stats.next_built - dp.stats.next_dropped if dp else 0,
         routed_forwards=dp.stats.routed if dp else 0,
+        route_syncs_per_token=(at_last[2] - c1["route_syncs"]) / n_decode if n_decode else 0.0,
+        routed_layers=dp.routed_layers_now() if dp else [],
     )
 
 

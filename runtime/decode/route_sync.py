@@ -100,13 +100,12 @@ class RouteSync:
 
     def _route_set(self, n_tokens: int, segments: bool) -> frozenset:
         """The layers this forward routes (syncs before their experts): a verify window's while its owner says so;
-        an "auto" one-token forward's where p_l (R_l + q) > q (the module docstring); none otherwise."""
+        an "auto" one-token forward's where p_l (R_l + E + q) > q (the module docstring); none otherwise."""
         if n_tokens > 1:
             return self.lookup_layers if self.route_enabled and self.route_windows else frozenset()
         if not (self.route_enabled and segments and self.segment == "auto" and self._missed):
             return frozenset()
-        q = self.sync_cost
-        mask = self.layer_miss * (self._tail + self.repair_extra + q) > q
+        mask = self._route_mask()
         key = (mask.tobytes(), self.lookup_layers)
         if key != self._route_key:  # changes only when a rate crosses its threshold, or the lookups change
             self._route_key = key
@@ -114,6 +113,17 @@ class RouteSync:
             if self.route_all and self._routes:
                 self._routes = self.lookup_layers
         return self._routes
+
+    def _route_mask(self) -> np.ndarray:
+        """Per MoE layer (self.order's order): whether its rate makes a route sync pay now."""
+        q = self.sync_cost
+        return self.layer_miss * (self._tail + self.repair_extra + q) > q
+
+    def routed_layers_now(self) -> list[int]:
+        """The MoE layers a one-token "auto" forward would route now (by the rule alone), for --json."""
+        if not (self.route_enabled and self.segment == "auto" and self._missed):
+            return []
+        return [l for l, m in zip(self.order, self._route_mask().tolist()) if m]
 
     def _note_layer_misses(self, loaded: dict) -> None:
         """After an accepted one-token "auto" forward: decay every layer's rate, count the layers that read."""
