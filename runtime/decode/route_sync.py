@@ -73,9 +73,9 @@ class RouteSync:
     """Mixin of DevicePass: uses its cache, stats, flush(), _cur (the build's held layers), _loaded, lookup_layers,
     order, index, and SegmentRepair's segment, sync_cost and _n_layers (initialized first)."""
 
-    def _init_route(self, enabled: bool, ahead: bool | str = "off", every_layer: bool = False) -> None:
+    def _init_route(self, enabled: bool, ahead: bool | str = "off", route_all: bool = False) -> None:
         self.route_enabled = enabled  # False: never routed (segments instead; for comparison)
-        self.route_all = every_layer  # a forward that routes a layer routes them all (for comparison)
+        self.route_all = route_all  # a forward that routes a layer routes them all (for comparison)
         self.route_windows = False  # route forwards of several tokens (verify windows); set by their owner
         self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
         # p_l per MoE layer (self.order's order) and R_l, the decoder layers a repair from it recomputes
@@ -103,7 +103,7 @@ class RouteSync:
         an "auto" one-token forward's where p_l (R_l + E + q) > q (the module docstring); none otherwise."""
         if n_tokens > 1:
             return self.lookup_layers if self.route_enabled and self.route_windows else frozenset()
-        if not (self.route_enabled and segments and self.segment == "auto" and self._missed):
+        if not (segments and self.routes_per_layer and self._missed):
             return frozenset()
         mask = self._route_mask()
         key = (mask.tobytes(), self.lookup_layers)
@@ -121,7 +121,7 @@ class RouteSync:
 
     def routed_layers_now(self) -> list[int]:
         """The MoE layers a one-token "auto" forward would route now (by the rule alone), for --json."""
-        if not (self.route_enabled and self.segment == "auto" and self._missed):
+        if not (self.routes_per_layer and self._missed):
             return []
         return [l for l, m in zip(self.order, self._route_mask().tolist()) if m]
 
