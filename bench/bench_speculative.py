@@ -63,6 +63,7 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                     "repairs_per_token": stats.repairs_per_token}
         dmodel, dconfig = load_drafter(draft, om)
         name, _, route = variant.partition("/")  # spmoe/off: verify windows never routed
+        name, last, _ = name.partition("+last")  # spmoe+last: the drafter also feeds d_K for its taps
         predictor, _, k = name.partition("@")  # spmoe@6: spmoe taking 6 experts per window token
         cpu0 = time.process_time()  # loading the drafter is not decoding
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
@@ -70,7 +71,8 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                                            draft_config=dconfig, one_sync=args.one_sync,
                                            forecast_k=int(k) if k else args.forecast_k,
                                            forecast_limit=args.forecast_limit,
-                                           adaptive_k=not args.fixed_k, route=route or "auto")
+                                           adaptive_k=not args.fixed_k, route=route or "auto",
+                                           forecast_last=bool(last))
         # the oracle's CPU time includes its recording run (run_speculative records, then decodes): not comparable
         cpu_ms_per_token = None if predictor == "oracle" else (time.process_time() - cpu0) * 1e3 / stats.n_tokens
         c = stats.counters
@@ -138,8 +140,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (more: steadier medians)")
     ap.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="one prompt per line (default: bench/prompts.txt)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
-                    + "; a predictor may carry its experts per window token: spmoe@6 (else --forecast-k), and /off: "
-                    "verify windows never routed (runtime/decode/route_sync.py), e.g. spmoe/off")
+                    + "; a predictor may carry its experts per window token: spmoe@6 (else --forecast-k), +last: "
+                    "the drafter also feeds its last draft within the round for the forecast of the window's last token "
+                    "(runtime/decode/pairing.py), and /off: verify windows never routed (runtime/decode/route_sync.py), "
+                    "e.g. spmoe+last/off")
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
                          "results are then labelled emulated)")

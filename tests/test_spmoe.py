@@ -17,7 +17,7 @@ def test_incremental_forecast_equals_forecast_from_scratch(tiny_dirs, tmp_path):
         dmodel, _ = load(str(make_tiny(tmp_path / "d", "qwen3", seed=9, layers=TINY["layers"])))
         dconfig = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": TINY["layers"]}
         live = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
-        drafter = make_drafter(dmodel, "spmoe")
+        drafter = make_drafter(dmodel, "spmoe", forecast_last=True)
         drafter.prefill(om.tokenizer.encode(PROMPT))
         for _ in range(2):  # two rounds: the predictor must start afresh with each round's taps
             steps = []
@@ -111,7 +111,7 @@ def test_a_forecast_prepared_with_the_draft_step_equals_one_routed_on_its_own(ti
         for name in ("a", "b"):  # the same drafter weights twice (each drafter taps its own model)
             dmodel, _ = load(str(make_tiny(tmp_path / name, "qwen3", seed=9, layers=TINY["layers"])))
             pred = build_predictor("spmoe", om, dmodel, dconfig)
-            drafter = make_drafter(dmodel, "spmoe")
+            drafter = make_drafter(dmodel, "spmoe", forecast_last=True)
             drafter.prefill(om.tokenizer.encode(PROMPT))
             pairs.append((pred, drafter))
         (prepared, d1), (plain, d2) = pairs

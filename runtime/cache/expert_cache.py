@@ -346,11 +346,11 @@ class ExpertCache(ResidentTables):
             raise
 
     # -- settling -------------------------------------------------------------------------
-    def settle_inflight(self) -> float:
-        """Wait for every read in flight or queued (prefetches) so their slots count as
-        resident; returns the ms spent waiting. Failed prefetches are not errors here."""
+    def settle_inflight(self, layers=None) -> float:
+        """Wait for every read in flight or queued (prefetches) -- of `layers` only, if given -- so their slots
+        count as resident; returns the ms spent waiting. Failed prefetches are not errors here."""
         with self._lock:
-            tickets = list(self._tickets.values())
+            tickets = [t for k, t in self._tickets.items() if layers is None or k.layer in layers]
             for t in tickets:
                 self.loader.promote(t)
         t0 = time.perf_counter()

@@ -278,7 +278,9 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         repairs += self._forward_repairs
         # A routed forward's layers that read would each have been a repair at S = 1: they keep the rate honest.
         self._note_repairs(launch.n_tokens, repairs + self._routed_reads)
-        if launch.n_tokens == 1 and self.routes_per_layer:
+        if self.route_enabled and self.route_windows:
+            self._note_window_misses(loaded)
+        elif launch.n_tokens == 1 and self.routes_per_layer:
             self._note_layer_misses(loaded)
             if repairs > self._forward_repairs:  # repaired here (no segments with routes): E's sample
                 self._note_repair_time(time.perf_counter() - t_repair, self.stats.recomputed_layers - recomputed,

@@ -2,7 +2,8 @@
 
 Protocol (a seam for other drafters, e.g. an MTP head): prefill(ids) feeds the
 context; propose(k, ...) consumes the pending tokens and returns K proposals plus
-the taps of every token of the verify window; settle(n_accepted, next_token) makes
+the taps of the verify window's tokens it fed (all but d_K, unless feed_last also
+feeds d_K within the round); settle(n_accepted, next_token) makes
 the drafter's state match the accepted prefix and queues next_token.
 
 Invariant: after settle(), the drafter's cache holds exactly the accepted context
@@ -40,11 +41,11 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    def __init__(self, model, *, taps: bool = True, feed_last: bool = True):
+    def __init__(self, model, *, taps: bool = True, feed_last: bool = False):
         self.model = model
         self.cache = make_prompt_cache(model)
         self.taps = HiddenTaps(model) if taps else None
-        self.feed_last = feed_last  # also feed d_K so the whole verify window has taps
+        self.feed_last = feed_last  # also feed d_K within the round, so the whole verify window has taps
         self.pending: list[int] = []
         self._k = 0
         self._fed_last = False

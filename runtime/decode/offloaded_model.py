@@ -113,6 +113,8 @@ class OffloadedModel:
         # ... and each MoE layer's recent miss rate, which decides the layers that sync before their experts (route_sync.py)
         self.decode_layer_miss = None
         self.decode_repair_extra = None
+        # ... and verify windows' own per-layer miss rates (route_sync.py: windows of several tokens miss differently)
+        self.verify_layer_miss = None
         self.route_ahead = "off"  # OffloadConfig.route_ahead: device passes' default (runtime/decode/route_ahead.py)
         for m in modules.values():
             m.telemetry = telemetry

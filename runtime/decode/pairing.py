@@ -102,7 +102,11 @@ def build_predictor(name: str, target, draft_model, draft_config: dict, *, proje
                           limit=limit or (None if name == "spmoe" else 2 * target.top_k))
 
 
-def make_drafter(draft_model, predictor_name: str) -> ModelDrafter:
-    # Taps (and feeding d_K) only matter when the drafter's hidden states are used.
+def make_drafter(draft_model, predictor_name: str, forecast_last: bool = False) -> ModelDrafter:
+    """The drafter of a round; taps only when the predictor reads the drafter's hidden states (spmoe).
+    forecast_last: also feed the last draft d_K within its round, for the taps of the window's last token. Off by
+    default: that is one more drafter forward and forecast per round (wasted when d_K is rejected) for one
+    token's experts; on the embedded pair at 50% it cut ~1.7 of ~5.7 verify reads per round and cost more drafting
+    time than their waits even at +2 ms per read, emulated (bench/results/hotpath_speculative_*.txt)."""
     uses_taps = predictor_name == "spmoe"
-    return ModelDrafter(draft_model, taps=uses_taps, feed_last=uses_taps)
+    return ModelDrafter(draft_model, taps=uses_taps, feed_last=uses_taps and forecast_last)

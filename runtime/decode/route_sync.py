@@ -21,8 +21,17 @@ rates, the last layer only when it misses in about q / (1 + E + q) of the forwar
 sync (on this CPU q ~0.03-0.05, on a Mac's GPU larger). The rates start at 0 (no routes: one sync) and are carried
 across generations on the OffloadedModel (`decode_layer_miss`, `decode_repair_extra`). "auto" with routes on cuts
 no segments: a routed layer is a segment boundary placed one step earlier, which recomputes nothing (segments
-remain for route=False and an explicit segment size). Verify windows (several tokens) are routed whole while their
-owner says so (runtime/decode/speculative.py).
+remain for route=False and an explicit segment size).
+
+Verify windows (several tokens, while their owner allows it: runtime/decode/speculative.py) take the same rule with
+rates of their own, w_l: a window names several tokens' experts, and a forecast prefetched most of them, so its
+layers miss at other rates than one-token forwards do. w_l is the decayed share of recent windows in which layer l
+read (LAYER_DECAY per window; carried as `verify_layer_miss`), and E and q are the pass's. Before any window, w_l
+starts at twice its threshold in layers that cannot hold every expert (a fresh cache holds the prompt's experts:
+the first windows miss), 0 where they can. Windows the forecast keeps covering decay every w_l below its
+threshold -- one host sync; layers whose windows keep missing sync before their experts. On
+this CPU a repair costs several layer times and a sync ~0.03 of one, so any layer that misses in more than a few
+per cent of the windows routes (bench/results/hotpath_speculative_*.txt).
 
 A routed layer calls route() with its lazy codes. route() evaluates them (one host sync: the forward's prefix
 is evaluated with them), and if a code names an absent expert it releases the forward's hold (everything built
@@ -76,7 +85,7 @@ class RouteSync:
     def _init_route(self, enabled: bool, ahead: bool | str = "off", route_all: bool = False) -> None:
         self.route_enabled = enabled  # False: never routed (segments instead; for comparison)
         self.route_all = route_all  # a forward that routes a layer routes them all (for comparison)
-        self.route_windows = False  # route forwards of several tokens (verify windows); set by their owner
+        self.route_windows = False  # forwards of several tokens (verify windows) may route by their rule; set by their owner
         self.route_layers: frozenset = frozenset()  # layers that route() in the forward being built
         # p_l per MoE layer (self.order's order) and R_l, the decoder layers a repair from it recomputes
         carried = getattr(self.om, "decode_layer_miss", None) if self.segment == "auto" else None
@@ -88,6 +97,10 @@ class RouteSync:
         self._missed = bool(self.layer_miss.any())  # False while no layer ever read: nothing to weigh per forward
         # E: what a repair costs beyond the layers it recomputes, in decoder-layer times (measured, carried)
         self.repair_extra = getattr(self.om, "decode_repair_extra", None) or REPAIR_EXTRA
+        # w_l: verify windows' own rates, in the same order; carried whatever the segment setting (a verify pass has none)
+        carried = getattr(self.om, "verify_layer_miss", None)
+        self.window_miss = (np.array(carried, dtype=np.float64) if carried is not None and len(carried) == len(self.order)
+                            else self._window_prior())
         self._routed_reads = 0  # layers of the forward being built that read at their route()
         self.route_ahead = RouteAhead(self.om, ahead)  # route syncs that also prefetch later layers (route_ahead.py)
         self.ahead_on = False  # whether the forward being built forecasts ahead at its route syncs
@@ -99,10 +112,13 @@ class RouteSync:
         self._pacer = None  # the PacedBuild of the next forward, while the pending one's route syncs run
 
     def _route_set(self, n_tokens: int, segments: bool) -> frozenset:
-        """The layers this forward routes (syncs before their experts): a verify window's while its owner says so;
-        an "auto" one-token forward's where p_l (R_l + E + q) > q (the module docstring); none otherwise."""
+        """The layers this forward routes (syncs before their experts): a verify window's where w_l (R_l + E + q) > q
+        while its owner allows it (route_windows); an "auto" one-token forward's where p_l (R_l + E + q) > q (the module docstring);
+        none otherwise."""
+        if self.route_windows:  # a verify round's forward (a plain round's too: a window of one token)
+            return self.window_routes() & self.lookup_layers
         if n_tokens > 1:
-            return self.lookup_layers if self.route_enabled and self.route_windows else frozenset()
+            return frozenset()
         if not (segments and self.routes_per_layer and self._missed):
             return frozenset()
         mask = self._route_mask()
@@ -118,6 +134,35 @@ class RouteSync:
         """Per MoE layer (self.order's order): whether its rate makes a route sync pay now."""
         q = self.sync_cost
         return self.layer_miss * (self._tail + self.repair_extra + q) > q
+
+    def window_routes(self) -> frozenset:
+        """The MoE layers the next verify window routes by the rule (before the lookups are known): none unless the
+        owner allows windows to route (route_windows) and routes are on."""
+        if not (self.route_enabled and self.route_windows) or not self.window_miss.any():
+            return frozenset()
+        q = self.sync_cost
+        mask = self.window_miss * (self._tail + self.repair_extra + q) > q
+        return frozenset(l for l, m in zip(self.order, mask.tolist()) if m)
+
+    def _window_prior(self) -> np.ndarray:
+        """w_l before any window was seen: twice the rule's threshold in a layer that cannot hold all its experts (the
+        first windows of a fresh cache, which holds the prompt's experts, miss in every layer: routing them costs a
+        sync each, repairing them a recompute each), 0 where every expert has a slot. A layer the forecast covers
+        decays below its threshold after ~35 windows (LAYER_DECAY)."""
+        q = self.sync_cost
+        usable = self.cache.usable_now()
+        short = np.array([usable[l] < len(self.cache.table.layers[l].expert_to_slot) for l in self.order])
+        return np.where(short, 2 * q / (self._tail + self.repair_extra + q), 0.0)
+
+    def _note_window_misses(self, loaded: dict) -> None:
+        """After a verify window its owner lets route: decay every layer's window rate, count the layers that read
+        (at their route sync or in a repair)."""
+        if not loaded and not self.window_miss.any():
+            return
+        self.window_miss *= LAYER_DECAY
+        for layer in loaded:
+            self.window_miss[self._miss_pos[layer]] += 1 - LAYER_DECAY
+        self.om.verify_layer_miss = self.window_miss
 
     def routed_layers_now(self) -> list[int]:
         """The MoE layers a one-token "auto" forward would route now (by the rule alone), for --json."""

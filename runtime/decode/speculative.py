@@ -51,12 +51,6 @@ from runtime.decode.warm import warm_start
 from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, sample
 from storage import ExpertKey
 
-# Verify windows are routed (runtime/decode/route_sync.py: a host sync per MoE layer, before its experts run,
-# so a miss costs its read and no recompute) while the pass's repair rate -- repairs, or layers that read at
-# their route sync, per forward, averaged over about ten -- is at least this: most windows miss. Below it a
-# window the forecast covered syncs once. On the embedded pair at 50% spmoe's windows run at ~1 repair each
-# (routed), the oracle's at ~0.14 (one sync).
-ROUTE_WINDOWS_RATE = 0.5
 
 
 @dataclass(frozen=True)
@@ -72,10 +66,11 @@ class SpecConfig:
     prefill_chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per target forward during prefill (mlx-lm's 2048);
     # under --memory-limit the target's ContextGovernor sizes it instead: the whole prompt unless its activations need less
     warm: str | None = None  # warm start source (runtime/decode/warm.py); a full budget always warms
-    one_sync: str = "auto"  # verify as device passes (one host sync, repair): auto (routed while most windows miss) or on
-    # (never routed); off: one sync per layer
+    one_sync: str = "auto"  # verify as device passes (one host sync, repair): auto (layers whose windows keep missing
+    # routed) or on (never routed); off: one sync per layer
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
-    route: str = "auto"  # auto (with one_sync auto): windows routed while most of them miss (ROUTE_WINDOWS_RATE); off: never
+    route: str = "auto"  # auto (with one_sync auto): a window's layers whose misses make it pay sync before their
+    # experts (runtime/decode/route_sync.py); off: never
 
     def __post_init__(self):
         if self.num_draft < 1:
@@ -108,7 +103,7 @@ class SpecStats:
     one_sync_fallbacks: int = 0  # of those, verifies that needed more than one host sync (repairs, split layers)
     host_syncs: int = 0  # host syncs of verify forwards (1 per round when the forecast covered the window)
     repairs: int = 0  # verify recomputations after absent experts
-    routed_rounds: int = 0  # verifies routed: each MoE layer synced its codes before its experts (no recompute)
+    routed_rounds: int = 0  # verifies routed: some MoE layers synced their codes before their experts (no recompute)
     settle_ms: float = 0.0  # time waiting, before verify, for the round's prefetches still in flight
     decode_s: float = 0.0  # wall time of all rounds
     prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
@@ -230,18 +225,23 @@ class SpeculativeDecoder:
             return forward()
         before = (self._pass.stats.host_syncs, self._pass.stats.repairs, self._pass.stats.multi_sync)
         if count:
-            # While most windows miss, each layer syncs its codes before its experts run (route_sync.py): a miss
-            # costs its read, no recompute. Windows the forecast usually covers keep their one sync.
-            self._pass.route_windows = self._route and self._pass.repair_rate >= ROUTE_WINDOWS_RATE
-            self.stats.routed_rounds += self._pass.route_windows
-            if not self._pass.route_windows:
-                # The round's prefetches land first: a forecast expert still loading would read as absent and
-                # cost a repair (a recompute) instead of the same wait. A routed window needs no such wait:
-                # each layer waits at its own route sync for its experts still in flight (promoted to demand;
-                # earlier layers' prefetches are queued first), so later layers' reads overlap earlier compute.
-                self.stats.settle_ms += self.target.cache.settle_inflight()
+            # Layers whose windows keep missing sync their codes before their experts run (route_sync.py's rule on
+            # the windows' own miss rates): a miss there costs its read, no recompute. A window the forecast
+            # usually covers keeps its one sync.
+            self._pass.route_windows = self._route
+            routes = self._pass.window_routes()
+            unrouted = [l for l in self.target.moe_layers if l not in routes]
+            if unrouted:
+                # Those layers' prefetches land first: a forecast expert still loading would read as absent and
+                # cost a repair (a recompute) instead of the same wait. A routed layer needs no such wait: it
+                # waits at its own route sync for its experts still in flight (promoted to demand), so its reads
+                # overlap the earlier layers' compute.
+                self.stats.settle_ms += self.target.cache.settle_inflight(
+                    None if len(unrouted) == len(self.target.moe_layers) else set(unrouted))
+        routed0 = self._pass.stats.routed
         out = self._pass.run(forward, self.cache, len(tokens))
         if count:
+            self.stats.routed_rounds += self._pass.stats.routed - routed0
             self.stats.one_sync_tries += 1
             self.stats.host_syncs += self._pass.stats.host_syncs - before[0]
             self.stats.repairs += self._pass.stats.repairs - before[1]
