@@ -47,8 +47,9 @@ def test_a_layer_routes_by_its_own_miss_rate_and_what_a_miss_there_recomputes(ti
         dp.repair_extra = 0.0
         assert dp._route_set(1, True) == {middle}
         assert dp._route_set(1, False) == frozenset()  # the prefill's first decode forward
-        assert dp._route_set(4, True) == frozenset()  # windows: routed whole, while their owner says so
-        dp.route_windows = True
+        assert dp._route_set(4, True) == frozenset()  # windows: only while their owner allows it, by their own rates
+        dp.route_windows = True  # (tests/test_speculative_route.py)
+        dp.window_miss[:] = 1.0
         assert dp._route_set(4, True) == {middle, last}
         for other in (DevicePass(om, segment=None), DevicePass(om, segment="auto", route=False)):
             other.lookup_layers = frozenset(other.order)
