@@ -63,7 +63,7 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                     "repairs_per_token": stats.repairs_per_token}
         dmodel, dconfig = load_drafter(draft, om)
         name, _, route = variant.partition("/")  # spmoe/off: verify windows never routed
-        name, last, _ = name.partition("+last")  # spmoe+last: the drafter also feeds d_K for its taps
+        last, name = "+last" in name, name.replace("+last", "")  # spmoe+last: the drafter also feeds d_K for its taps
         predictor, _, k = name.partition("@")  # spmoe@6: spmoe taking 6 experts per window token
         cpu0 = time.process_time()  # loading the drafter is not decoding
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,

@@ -72,7 +72,7 @@ for ms in 1 2 4; do
   run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,oracle --repeats 2
 done
 for ms in 0 1 2; do  # the hot-path section's speculative rows (+1/+2 ms per read: emulated)
-  run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,spmoe/off,oracle --budgets 50% --repeats 2
+  run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,spmoe+last,spmoe/off,oracle --budgets 50% --repeats 3
 done
 # a larger spmoe forecast at verify against the default, interleaved (+2 ms per read: emulated)
 run hotpath_speculative_forecast_k6 python bench/bench_speculative.py --emulate-read-ms 2 --variants no-spec,spmoe,spmoe@6 --budgets 50% --repeats 3
