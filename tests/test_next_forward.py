@@ -181,3 +181,51 @@ def test_the_build_that_quantizes_the_kv_is_not_built_early(tmp_path, monkeypatc
             assert 0 < dp.stats.next_built < N - 1  # built early except around the conversion
         finally:
             om.close()
+
+
+def _fail_layer_call(monkeypatch, om, layer_index: int, after: int) -> list:
+    """Make decoder layer `layer_index` raise on its call number `after` + 1 (and later ones): a build that fails
+    midway, after the layers before it wrote their caches. Returns the call counter."""
+    layer = om.model.layers[layer_index]
+    real, calls = type(layer).__call__, [0]
+
+    def call(self, *args, **kwargs):
+        if self is layer:
+            calls[0] += 1
+            if calls[0] > after:
+                raise RuntimeError("injected: a layer's build failed")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(layer), "__call__", call)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_next_forward_whose_build_raises_midway_leaves_the_caches_as_the_pending_forward_left_them(
+        family, tiny_dirs, monkeypatch):
+    """At 100% every forward after the first is built before the previous one's sync. The next forward's build
+    raises in its second decoder layer: the error reaches the caller, and the first layer's cache, which that
+    build had written, is rolled back -- every layer holds the prompt and the tokens decoded, as a retry needs."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="100%"))
+    try:
+        warm_start(om)
+        ids = om.tokenizer.encode(PROMPT)
+        cache = make_prompt_cache(om.model)
+        dp = DevicePass(om)
+        # prefill (1 call of layer 1), the prompt's last token (2), decode forwards 3, 4: the 4th call is the first
+        # next forward built early; it fails at call 5, the next forward after that one
+        _fail_layer_call(monkeypatch, om, 1, after=4)
+        gen = offloaded_generate_step(om, mx.array(ids), max_tokens=N, sampler=lambda x: mx.argmax(x, axis=-1),
+                                      device_pass=dp, prompt_cache=cache, after_prefill=om.cache.settle_inflight)
+        emitted = []
+        with pytest.raises(RuntimeError, match="injected"):
+            for t, _ in gen:
+                emitted.append(t)
+        assert dp.stats.next_built >= 1
+        offsets = [c.offset for c in cache if c.is_trimmable()]
+        assert len(set(offsets)) == 1, offsets  # layer 0 was written by the failed build, then rolled back
+        assert offsets[0] in (len(ids) + len(emitted) - 1, len(ids) + len(emitted))
+    finally:
+        om.close()

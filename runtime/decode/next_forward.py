@@ -29,7 +29,8 @@ made current again after, so n's repair still skips the layers before its first 
 
 Invariants: at most one next forward; it exists only between launch_next() and the pending
 forward's finish(); a queued one holds its layers from its queueing to its own sync (or its drop), one not
-queued yet holds none; dropping it leaves every cache as forward n left it; with no repair, the tokens and
+queued yet holds none; dropping it leaves every cache as forward n left it, and so does a build of it that
+raised midway (its first layers' caches are rolled back to where they stood); with no repair, the tokens and
 every counter are those of building forward n+1 after n's sync.
 """
 
@@ -41,7 +42,7 @@ from typing import Callable
 import mlx.core as mx
 
 from runtime.decode.paced_build import PacedBuild
-from runtime.decode.rollback import roll_back, snapshot_untrimmable
+from runtime.decode.rollback import marks, roll_back, roll_back_to, snapshot_untrimmable
 
 # Repairs per forward (averaged, runtime/decode/segment_repair.py's repair_rate) above which the next
 # forward is not built early. A dropped forward costs its whole compute, a kept one saves the host's
@@ -56,6 +57,7 @@ class NextForward:
     def _init_next(self, enabled: bool) -> None:
         self.build_next = enabled
         self._next = None  # (_Launch, parked replay state) of the forward built before the pending one's sync
+        self._undo_next = None  # (cache, rollback marks) of the caches before the next forward's build
 
     @property
     def pending(self) -> bool:
@@ -98,6 +100,8 @@ class NextForward:
         route, paced, queue = plan
         launch = self._launch
         snapshot = snapshot_untrimmable(launch.cache)
+        # A build that raises midway has written its first layers' caches only: they go back to these marks.
+        self._undo_next = (launch.cache, marks(launch.cache, snapshot))
         build = lambda: self._build(make_forward(launch.out), launch.cache, 1, snapshot, route, queue=queue)  # noqa: E731
         if paced:
             self._pacer = PacedBuild(build, self.replay, self.cache)
@@ -106,6 +110,9 @@ class NextForward:
             self.replay.start()
             try:
                 self._next = (build(), self.replay.park())
+            except BaseException:
+                roll_back_to(*self._undo_next)
+                raise
             finally:
                 self.replay.resume(parked)
         self.stats.next_built += 1
@@ -115,7 +122,11 @@ class NextForward:
         """Finish the paced build of the next forward (it becomes self._next); on its error, nothing is next."""
         pacer, self._pacer = self._pacer, None
         if pacer is not None:
-            self._next = pacer.complete()
+            try:
+                self._next = pacer.complete()
+            except BaseException:
+                roll_back_to(*self._undo_next)  # the layers it built had written their caches
+                raise
 
     def _drop_next(self) -> None:
         """The pending forward needs a repair (or failed): the next one, built on its output, is wrong."""
@@ -123,7 +134,7 @@ class NextForward:
             try:
                 self._complete_pacer()
             except Exception:
-                self._next = None  # its build failed: nothing of it was queued; the next launch() builds it again
+                self._next = None  # its build failed (rolled back): nothing of it was queued; the next launch() builds it again
         if self._next is None:
             return
         built, _ = self._next

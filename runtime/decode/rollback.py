@@ -6,7 +6,9 @@ ArraysCache, a full rotating cache) are restored from a snapshot taken before th
 Invariant: after roll_back(cache, snapshot, n, start), caches [start:stop] hold what they
 held when the snapshot was taken, provided exactly n positions were written since (for untrimmable
 caches: whatever was written since, including by forwards that were later dropped); the other
-caches are untouched.
+caches are untouched. After roll_back_to(cache, marks(cache, snapshot)), every cache holds what it held
+at marks(), however many positions each was written since (a forward whose build raised midway wrote
+only its first layers').
 """
 
 from __future__ import annotations
@@ -36,3 +38,24 @@ def roll_back(cache, snapshot: list, n: int, start: int = 0, stop: int | None = 
             c.trim(n)
         else:
             c.state = tree_map(_handle, s)  # new handles: the cache's in-place writes must not reach the snapshot
+
+
+def marks(cache, snapshot: list) -> list:
+    """Where each cache stands now, for roll_back_to(): a trimmable cache's offset; else its state (the snapshot
+    from snapshot_untrimmable(), or one taken here for a trimmable cache without a single offset, a CacheList)."""
+    out = []
+    for c, s in zip(cache, snapshot):
+        offset = getattr(c, "offset", None)
+        out.append(offset if s is None and isinstance(offset, int) else s if s is not None else tree_map(_handle, c.state))
+    return out
+
+
+def roll_back_to(cache, marks: list) -> None:
+    """Undo every write since marks(), layer by layer: a trimmable cache is trimmed back to its offset (by
+    nothing if it was not written), any other restored from its state."""
+    for c, m in zip(cache, marks):
+        if isinstance(m, int):
+            if c.offset > m:
+                c.trim(c.offset - m)
+        else:
+            c.state = tree_map(_handle, m)
