@@ -130,25 +130,24 @@ class RouteSync:
                 self._routes = self.lookup_layers
         return self._routes
 
-    def _route_mask(self) -> np.ndarray:
-        """Per MoE layer (self.order's order): whether its rate makes a route sync pay now."""
+    def _route_mask(self, rates: np.ndarray | None = None) -> np.ndarray:
+        """Per MoE layer (self.order's order): whether its rate (one-token forwards' unless given) makes a route
+        sync pay now: p_l (R_l + E + q) > q."""
         q = self.sync_cost
-        return self.layer_miss * (self._tail + self.repair_extra + q) > q
+        return (self.layer_miss if rates is None else rates) * (self._tail + self.repair_extra + q) > q
 
     def window_routes(self) -> frozenset:
         """The MoE layers the next verify window routes by the rule (before the lookups are known): none unless the
         owner allows windows to route (route_windows) and routes are on."""
         if not (self.route_enabled and self.route_windows) or not self.window_miss.any():
             return frozenset()
-        q = self.sync_cost
-        mask = self.window_miss * (self._tail + self.repair_extra + q) > q
-        return frozenset(l for l, m in zip(self.order, mask.tolist()) if m)
+        return frozenset(l for l, m in zip(self.order, self._route_mask(self.window_miss).tolist()) if m)
 
     def _window_prior(self) -> np.ndarray:
         """w_l before any window was seen: twice the rule's threshold in a layer that cannot hold all its experts (the
         first windows of a fresh cache, which holds the prompt's experts, miss in every layer: routing them costs a
         sync each, repairing them a recompute each), 0 where every expert has a slot. A layer the forecast covers
-        decays below its threshold after ~35 windows (LAYER_DECAY)."""
+        decays below its threshold after ~34 windows (LAYER_DECAY)."""
         q = self.sync_cost
         usable = self.cache.usable_now()
         short = np.array([usable[l] < len(self.cache.table.layers[l].expert_to_slot) for l in self.order])
@@ -159,10 +158,14 @@ class RouteSync:
         (at their route sync or in a repair)."""
         if not loaded and not self.window_miss.any():
             return
-        self.window_miss *= LAYER_DECAY
-        for layer in loaded:
-            self.window_miss[self._miss_pos[layer]] += 1 - LAYER_DECAY
+        self._decay_rates(self.window_miss, loaded)
         self.om.verify_layer_miss = self.window_miss
+
+    def _decay_rates(self, rates: np.ndarray, loaded: dict) -> None:
+        """One more forward in a decayed rate (in place): every layer's share decays, the layers that read gain."""
+        rates *= LAYER_DECAY
+        for layer in loaded:
+            rates[self._miss_pos[layer]] += 1 - LAYER_DECAY
 
     def routed_layers_now(self) -> list[int]:
         """The MoE layers a one-token "auto" forward would route now (by the rule alone), for --json."""
@@ -175,9 +178,7 @@ class RouteSync:
         if not loaded and not self._missed:
             return  # every rate is 0 (a full budget): nothing to decay
         self._missed = True
-        self.layer_miss *= LAYER_DECAY
-        for layer in loaded:
-            self.layer_miss[self._miss_pos[layer]] += 1 - LAYER_DECAY
+        self._decay_rates(self.layer_miss, loaded)
         self.om.decode_layer_miss = self.layer_miss
 
     def _note_repair_time(self, seconds: float, recomputed: int, forward_s: float) -> None:
