@@ -46,7 +46,12 @@ def marks(cache, snapshot: list) -> list:
     out = []
     for c, s in zip(cache, snapshot):
         offset = getattr(c, "offset", None)
-        out.append(offset if s is None and isinstance(offset, int) else s if s is not None else tree_map(_handle, c.state))
+        if s is not None:
+            out.append(s)
+        elif isinstance(offset, int):
+            out.append(offset)
+        else:
+            out.append(tree_map(_handle, c.state))
     return out
 
 

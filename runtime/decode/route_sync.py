@@ -150,7 +150,7 @@ class RouteSync:
         decays below its threshold after ~34 windows (LAYER_DECAY)."""
         q = self.sync_cost
         usable = self.cache.usable_now()
-        short = np.array([usable[l] < len(self.cache.table.layers[l].expert_to_slot) for l in self.order])
+        short = np.array([usable[l] < self.cache.layouts[l].n_experts for l in self.order])
         return np.where(short, 2 * q / (self._tail + self.repair_extra + q), 0.0)
 
     def _note_window_misses(self, loaded: dict) -> None:

@@ -170,6 +170,8 @@ class SpeculativeDecoder:
         # every window once a few repairs raised the rate; runtime/decode/segment_repair.py).
         self._pass = DevicePass(target) if cfg.one_sync != "off" else None
         self._route = cfg.route == "auto" and cfg.one_sync == "auto"  # "on": one sync and repairs, never routed
+        if self._pass is not None:  # layers whose windows keep missing sync before their experts (route_sync.py)
+            self._pass.route_windows = self._route
         self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
 
     # -- phases ------------------------------------------------------------------------
@@ -228,16 +230,14 @@ class SpeculativeDecoder:
             # Layers whose windows keep missing sync their codes before their experts run (route_sync.py's rule on
             # the windows' own miss rates): a miss there costs its read, no recompute. A window the forecast
             # usually covers keeps its one sync.
-            self._pass.route_windows = self._route
             routes = self._pass.window_routes()
-            unrouted = [l for l in self.target.moe_layers if l not in routes]
+            unrouted = {l for l in self.target.moe_layers if l not in routes}
             if unrouted:
                 # Those layers' prefetches land first: a forecast expert still loading would read as absent and
                 # cost a repair (a recompute) instead of the same wait. A routed layer needs no such wait: it
                 # waits at its own route sync for its experts still in flight (promoted to demand), so its reads
                 # overlap the earlier layers' compute.
-                self.stats.settle_ms += self.target.cache.settle_inflight(
-                    None if len(unrouted) == len(self.target.moe_layers) else set(unrouted))
+                self.stats.settle_ms += self.target.cache.settle_inflight(unrouted)
         routed0 = self._pass.stats.routed
         out = self._pass.run(forward, self.cache, len(tokens))
         if count:
