@@ -86,7 +86,9 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                 "one_sync_share": (stats.one_sync_tries - stats.one_sync_fallbacks) / max(1, stats.n_rounds),
                 "mean_k": stats.mean_k, "syncs_per_round": stats.host_syncs / max(1, stats.one_sync_tries),
                 "repairs_per_round": stats.repairs / max(1, stats.one_sync_tries),
-                "routed_share": stats.routed_rounds / max(1, stats.one_sync_tries)}
+                "routed_share": stats.routed_rounds / max(1, stats.one_sync_tries),
+                "round": {"rounds": stats.n_rounds, "draft_ms": stats.draft_s * 1e3, "verify_ms": stats.verify_s * 1e3,
+                          "wait_ms": c["load_wait_ms"], **stats.window_reads.to_json()}}
     finally:
         om.close()
 
@@ -115,6 +117,11 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
     for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share", "mean_k",
                 "syncs_per_round", "repairs_per_round", "routed_share", "syncs_per_token", "repairs_per_token"):
         out[key] = statistics.mean(r[key] for r in runs) if key in runs[0] else None
+    if "round" in runs[0]:  # where a round goes, over all runs: totals per round (window_reads: per counted window)
+        tot = {k: sum(r["round"][k] for r in runs) for k in runs[0]["round"]}
+        per_round = {k: tot[k] / max(1, tot["rounds"]) for k in ("draft_ms", "verify_ms", "wait_ms")}
+        reads = {k: tot[k] / max(1, tot["windows"]) for k in ("first_only", "middle_only", "last_only", "shared", "unrouted", "total")}
+        out["per_round"] = {**per_round, "verify_reads": reads, "windows": tot["windows"], "rounds": tot["rounds"]}
     return out
 
 
@@ -188,6 +195,19 @@ def main() -> None:
               f"{fmt(r['recall'], '{:.2f}'):>8}{fmt(r['precision'], '{:.2f}'):>8}"
               f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}"
               f"{fmt(r['routed_share'], '{:.0%}'):>8}{fmt(r['mean_k'], '{:.2f}'):>7}")
+    rounds = {k: r["per_round"] for k, r in results.items() if r.get("per_round")}
+    if rounds:
+        print("where a round goes (totals over all runs, per round; verify reads per window of 2+ tokens, by the window "
+              "tokens that routed to them: only the first (pending), only one middle draft, only the last draft d_K -- "
+              "which the drafter never fed, so no forecast named it unless +last --, two or more, none; "
+              "runtime/decode/window_reads.py)")
+        print(f"{'budget variant':<22}{'draft ms':>10}{'verify ms':>11}{'read wait':>11}{'verify reads':>14}{'first':>7}"
+              f"{'middle':>8}{'last':>7}{'shared':>8}{'none':>6}{'last share':>12}")
+        for key, p in rounds.items():
+            v = p["verify_reads"]
+            print(f"{key:<22}{p['draft_ms']:>10.2f}{p['verify_ms']:>11.2f}{p['wait_ms']:>11.2f}{v['total']:>14.2f}"
+                  f"{v['first_only']:>7.2f}{v['middle_only']:>8.2f}{v['last_only']:>7.2f}{v['shared']:>8.2f}{v['unrouted']:>6.2f}"
+                  f"{(v['last_only'] / v['total'] if v['total'] else 0):>12.0%}")
     print(json.dumps({"bench": "speculative", "target": str(source if scratch else target), "packed": not args.raw, "draft": str(draft), "num_draft": args.num_draft,
                       "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
                       "one_sync": args.one_sync, "forecast_k": args.forecast_k, "adaptive_k": not args.fixed_k,

@@ -41,7 +41,15 @@ def spec_line(stats, prefetch_layers) -> str:
             f"forecast recall {stats.recall(prefetch_layers or None):.0%} | "
             f"one-sync verifies {stats.one_sync_tries - stats.one_sync_fallbacks}/{stats.n_rounds}, "
             f"{stats.host_syncs / max(1, stats.n_rounds):.2f} host syncs/round, {stats.repairs} repairs | "
-            f"mean K {stats.mean_k:.1f}, {stats.n_plain_rounds}/{stats.n_rounds} plain rounds")
+            f"mean K {stats.mean_k:.1f}, {stats.n_plain_rounds}/{stats.n_rounds} plain rounds" + _reads_note(stats))
+
+
+def _reads_note(stats) -> str:
+    """Verify reads per round and the share only the last draft needed (runtime/decode/window_reads.py)."""
+    w = getattr(stats, "window_reads", None)  # pipeline runs do not count them
+    if w is None or not w.total:
+        return ""
+    return f" | verify reads {w.total / max(1, w.windows):.2f}/round, {w.last_only / w.total:.0%} for the last draft only"
 
 
 def low_acceptance_note(stats) -> str | None:

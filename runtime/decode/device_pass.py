@@ -117,6 +117,11 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         self._init_route(route, getattr(om, "route_ahead", "off") if route_ahead is None else route_ahead, route_all)
         self.stage_routes = staged
 
+    @property
+    def forward_reads(self) -> dict[int, np.ndarray]:
+        """Layer -> the experts the last forward read (at its route syncs and in repairs); until the next launch."""
+        return {l: np.concatenate([r for r, _, _ in v]) for l, v in self._loaded.items() if v}
+
     # -- fed by the modules --------------------------------------------------------------
     def record(self, layer: int, indices: mx.array, codes: mx.array) -> None:
         self._records.append((layer, indices, codes))

@@ -48,6 +48,7 @@ from runtime.decode.device_pass import DevicePass
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 from runtime.decode.warm import warm_start
+from runtime.decode.window_reads import WindowReads
 from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, sample
 from storage import ExpertKey
 
@@ -107,6 +108,7 @@ class SpecStats:
     settle_ms: float = 0.0  # time waiting, before verify, for the round's prefetches still in flight
     decode_s: float = 0.0  # wall time of all rounds
     prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
+    window_reads: WindowReads = field(default_factory=WindowReads)  # verify reads by the window tokens that needed them
     per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
     prefetch_layers: list[int] = field(default_factory=list)  # the MoE layers forecasts were prefetched for
     counters: dict[str, float] = field(default_factory=dict)  # cache/loader counter deltas over the rounds
@@ -139,8 +141,7 @@ class SpecStats:
         d = asdict(self)
         d["per_layer"] = {l: {**asdict(s), "recall": s.recall, "precision": s.precision} for l, s in self.per_layer.items()}
         d.update(acceptance=self.acceptance, tokens_per_verify=self.tokens_per_verify, mean_k=self.mean_k,
-                 recall=self.recall(),
-                 precision=self.precision())
+                 recall=self.recall(), precision=self.precision(), window_reads=self.window_reads.to_json())
         return d
 
 
@@ -217,6 +218,8 @@ class SpeculativeDecoder:
             self.target.set_observer(None)  # also when the forward raises: never leave it observing
         mx.eval(logits)
         self.stats.verify_s += time.perf_counter() - t0
+        if self._pass is not None:
+            self.stats.window_reads.add(self._routing, self._pass.forward_reads, len(window))
         return logits
 
     def _forward(self, tokens: list[int], count: bool) -> mx.array:
