@@ -150,3 +150,19 @@ def test_json_reports_route_syncs_per_token_and_the_layers_that_route(tiny_dirs)
             assert stats.to_json()["routed_layers"] == stats.routed_layers
         finally:
             om.close()
+
+
+def test_a_layer_that_holds_every_expert_never_routes(tiny_dirs):
+    """Only layers whose slots cannot hold every expert route: a full layer misses only while it fills (a cold
+    stage's cache), and routing it on those misses would sync every token long after."""
+    for budget, routes in (("100%", False), ("25%", True)):
+        om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget=budget))
+        try:
+            dp = DevicePass(om, segment="auto", sync_cost=0.1)
+            dp.lookup_layers = frozenset(dp.order)
+            _rates(dp, 0.5)  # every layer missed in half of the recent forwards
+            assert dp._route_set(1, True) == (frozenset(dp.order) if routes else frozenset()), budget
+            assert dp.routed_layers_now() == (list(dp.order) if routes else []), budget
+            assert (dp._window_prior() > 0).all() == routes and (dp._window_prior() > 0).any() == routes, budget
+        finally:
+            om.close()

@@ -111,6 +111,27 @@ def test_a_stage_syncs_once_per_decode_step_with_its_experts_resident(packed_dir
     assert per_step[False] == [m + 1.0 for m in moe]
 
 
+def test_a_stage_routes_the_layers_that_keep_missing_and_stays_lossless(packed_dirs):
+    """At 50% a stage's one-token forwards route the layers whose misses make a sync pay, as one process does
+    (runtime/decode/route_sync.py): misses there are read before the experts run, not repaired; the tokens equal
+    the synced path's."""
+    path = packed_dirs["qwen3_moe"]
+    ids = [5, 9, 14, 3, 7, 21, 30, 11]
+    out = {}
+    for one_sync in (True, False):
+        stages = [Stage.load(path, r, 2, StageConfig(budget="50%", one_sync=one_sync)) for r in range(2)]
+        try:
+            out[one_sync] = _chain_greedy(stages, ids, 16)
+            if one_sync:
+                passes = [s.device_pass for s in stages if s.device_pass is not None]
+                assert passes and any(p.stats.routed > 0 for p in passes)
+                assert all(p.stats.route_syncs >= p.stats.routed for p in passes)
+        finally:
+            for s in stages:
+                s.close()
+    assert out[True] == out[False]
+
+
 def test_rewind_by_rerun_restores_untrimmable_state(packed_dirs):
     """qwen3_5_moe's GatedDeltaNet state cannot be trimmed: rewind restores the snapshot and re-runs the kept prefix."""
     path = packed_dirs["qwen3_5_moe"]

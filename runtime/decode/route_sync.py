@@ -122,13 +122,21 @@ class RouteSync:
         if not (segments and self.routes_per_layer and self._missed):
             return frozenset()
         mask = self._route_mask()
-        key = (mask.tobytes(), self.lookup_layers)
-        if key != self._route_key:  # changes only when a rate crosses its threshold, or the lookups change
+        key = (mask.tobytes(), self.lookup_layers, self._lookup_key)
+        if key != self._route_key:  # changes only when a rate crosses its threshold, or the lookups or slots change
             self._route_key = key
-            self._routes = frozenset(l for l, m in zip(self.order, mask.tolist()) if m) & self.lookup_layers
+            self._routes = (frozenset(l for l, m in zip(self.order, mask.tolist()) if m) & self.lookup_layers
+                            & self._short_layers())
             if self.route_all and self._routes:
                 self._routes = self.lookup_layers
         return self._routes
+
+    def _short_layers(self) -> frozenset:
+        """The MoE layers whose usable slots cannot hold every expert. Only they route: a layer that can hold them
+        all misses only until its experts are in (a cold cache, as a pipeline stage's), then never again, and
+        routing it on the misses of that start would cost a sync a token for ~100 tokens after."""
+        usable = self.cache.usable_now()
+        return frozenset(l for l in self.order if usable[l] < self.cache.layouts[l].n_experts)
 
     def _route_mask(self, rates: np.ndarray | None = None) -> np.ndarray:
         """Per MoE layer (self.order's order): whether its rate (one-token forwards' unless given) makes a route
@@ -149,9 +157,8 @@ class RouteSync:
         sync each, repairing them a recompute each), 0 where every expert has a slot. A layer the forecast covers
         decays below its threshold after ~34 windows (LAYER_DECAY)."""
         q = self.sync_cost
-        usable = self.cache.usable_now()
-        short = np.array([usable[l] < self.cache.layouts[l].n_experts for l in self.order])
-        return np.where(short, 2 * q / (self._tail + self.repair_extra + q), 0.0)
+        short = self._short_layers()
+        return np.where([l in short for l in self.order], 2 * q / (self._tail + self.repair_extra + q), 0.0)
 
     def _note_window_misses(self, loaded: dict) -> None:
         """After a verify window its owner lets route: decay every layer's window rate, count the layers that read
@@ -171,7 +178,8 @@ class RouteSync:
         """The MoE layers a one-token "auto" forward would route now (by the rule alone), for --json."""
         if not (self.routes_per_layer and self._missed):
             return []
-        return [l for l, m in zip(self.order, self._route_mask().tolist()) if m]
+        short = self._short_layers()
+        return [l for l, m in zip(self.order, self._route_mask().tolist()) if m and l in short]
 
     def _note_layer_misses(self, loaded: dict) -> None:
         """After an accepted one-token "auto" forward: decay every layer's rate, count the layers that read."""

@@ -4,8 +4,11 @@ Without it, every MoE layer of a stage reads its router's ids back to the host (
 MoE layer per window). With it, a window whose experts fit each layer's usable slots looks its
 experts up on the device and the stage syncs once (its output and every layer's lookup codes in
 one array); an absent expert is read and the stage recomputed from the first layer that missed
-(a repair). A window too large for a layer's slots (a prefill chunk) takes that layer's synced
-call, which runs expert-major (runtime/cache/expert_major.py: each unique expert read once).
+(a repair). One-token forwards route as one process's do (runtime/decode/route_sync.py, segment "auto"): a
+layer whose slots cannot hold every expert and whose recent misses make it pay syncs its lookup codes before its
+experts run and reads what is absent there, so a miss costs its read and no recompute. A window too large for a
+layer's slots (a prefill chunk) takes that layer's synced call, which runs expert-major
+(runtime/cache/expert_major.py: each unique expert read once).
 
 DevicePass drives an offloaded model through a small interface; `StagePassHost` is that
 interface for one stage: its cache, its modules, its layers (replayable from any of them), and
@@ -41,4 +44,6 @@ def stage_pass(cache, modules: dict, layers: list, layer_ids: list[int], top_k: 
         return None
     first = layer_ids[0]
     host = StagePassHost(cache, modules, LayerReplay(layers), {l: l - first for l in modules}, top_k)
-    return DevicePass(host)
+    # As one process decodes: one-token forwards route the layers whose misses make a sync pay (route_sync.py),
+    # the rest wait for the forward's one sync; the rates carry on the host from token to token.
+    return DevicePass(host, segment="auto")
