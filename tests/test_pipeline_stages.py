@@ -224,6 +224,37 @@ def test_pipeline_speculative_adapts_k_as_one_process_and_equals_plain(packed_di
         stage.close()
 
 
+def test_a_speculative_stage_routes_its_windows_and_equals_plain(packed_dirs, tmp_path):
+    """A speculative run's stage (StageConfig.route_windows, as `--pipeline --draft` sets it) routes the layers its
+    windows keep missing, as one process's speculative decoder: misses are read at route syncs, not repaired.
+    Without it the windows take one sync and repairs. Same greedy tokens either way."""
+    from runtime.checkpoints.tiny import make_tiny
+    from runtime.decode import SpecConfig, load_drafter, make_drafter
+    from runtime.pipeline import PipelineDriver, PipelineSpeculative, generate_plain, pipeline_predictor
+
+    path = packed_dirs["qwen3_moe"]
+    ids, n = [5, 9, 14, 3, 7, 21, 30, 11], 16
+    counts = {}
+    for route in (True, False):
+        stage = Stage.load(path, 0, 1, StageConfig(budget="50%", route_windows=route))
+        try:
+            draft_model, draft_config = load_drafter(make_tiny(tmp_path / f"drafter{route}", "qwen3", seed=7, layers=2),
+                                                     stage)
+            plain, _ = generate_plain(PipelineDriver(stage, _OneRank()), ids, max_tokens=n)
+            stage.reset(0)
+            routed0, repairs0 = stage.device_pass.stats.routed, stage.device_pass.stats.repairs
+            spec = PipelineSpeculative(PipelineDriver(stage, _OneRank()), make_drafter(draft_model, "none"),
+                                       pipeline_predictor("none", stage, draft_model, draft_config),
+                                       SpecConfig(num_draft=3, adaptive_k=False))
+            tokens, _ = spec.generate(ids, n)
+            assert tokens == plain
+            counts[route] = (stage.device_pass.stats.routed - routed0, stage.device_pass.stats.repairs - repairs0)
+        finally:
+            stage.close()
+    assert counts[True][0] > 0 and counts[False][0] == 0, counts
+    assert counts[True][1] < counts[False][1], counts
+
+
 def test_a_stage_prefill_reads_each_routed_expert_once_per_layer(packed_dirs):
     """A prefill window routes to more experts than a layer's slots: the stage's synced layer call runs
     expert-major (runtime/cache/expert_major.py), so each routed expert is read at most once per layer."""

@@ -49,7 +49,7 @@ def _reads_note(stats) -> str:
     w = getattr(stats, "window_reads", None)  # pipeline runs do not count them
     if w is None or not w.total:
         return ""
-    return f" | verify reads {w.total / max(1, w.windows):.2f}/round, {w.last_only / w.total:.0%} for the last draft only"
+    return f" | verify reads {w.total / max(1, w.windows):.2f}/window, {w.last_only / w.total:.0%} for the last draft only"
 
 
 def low_acceptance_note(stats) -> str | None:

@@ -45,11 +45,12 @@ class WindowReads:
         self.windows += 1
         for layer, experts in reads.items():
             ids = routing.get(layer)
-            rows = (np.zeros((n_tokens, 0), np.int64) if ids is None
-                    else np.asarray(ids).reshape(-1, np.asarray(ids).shape[-1])[-n_tokens:])
+            # Python sets over a few ints: a numpy op per read would cost more than the whole check (right after an eval)
+            rows = [] if ids is None else np.asarray(ids).reshape(-1, np.shape(ids)[-1])[-n_tokens:].tolist()
+            rows = [set(r) for r in rows]
             for e in np.asarray(experts).reshape(-1).tolist():
-                used = (rows == e).any(axis=-1)  # (n_tokens,): which window tokens routed to e
-                n = int(used.sum())
+                used = [e in r for r in rows]  # which window tokens routed to e
+                n = sum(used)
                 if n == 0:
                     self.unrouted += 1
                 elif n > 1:

@@ -43,6 +43,7 @@ class StageConfig:
     split: tuple[int, ...] | None = None  # layers per rank (--pipeline-split); None: balanced by bytes
     routers: bool = False  # rank 0: also keep every MoE layer's norm + router gate (spmoe forecasts)
     one_sync: bool = True  # run each window as one device pass (one host sync + repairs); False: a sync per MoE layer
+    route_windows: bool = False  # a speculative run: windows route their layers that keep missing (route_sync.py)
 
 
 def _module(root, path: str):
@@ -159,7 +160,7 @@ class Stage:
             mx.eval(keep)
             resident_bytes = sum({id(p): p.nbytes for p in keep}.values())
             layers = [inner.layers[i] for i in range(a, b)]
-            device_pass = stage_pass(cache, modules, layers, list(range(a, b)), k) if cfg.one_sync else None
+            device_pass = stage_pass(cache, modules, layers, list(range(a, b)), k, cfg.route_windows) if cfg.one_sync else None
             kw = {}
             if rank == 0:
                 tie = text.args.tie_word_embeddings

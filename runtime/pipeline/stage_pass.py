@@ -6,7 +6,8 @@ experts up on the device and the stage syncs once (its output and every layer's 
 one array); an absent expert is read and the stage recomputed from the first layer that missed
 (a repair). One-token forwards route as one process's do (runtime/decode/route_sync.py, segment "auto"): a
 layer whose slots cannot hold every expert and whose recent misses make it pay syncs its lookup codes before its
-experts run and reads what is absent there, so a miss costs its read and no recompute. A window too large for a
+experts run and reads what is absent there, so a miss costs its read and no recompute; a speculative run's
+stages route their windows by the windows' own rates (StageConfig.route_windows). A window too large for a
 layer's slots (a prefill chunk) takes that layer's synced call, which runs expert-major
 (runtime/cache/expert_major.py: each unique expert read once).
 
@@ -38,12 +39,17 @@ class StagePassHost:
     telemetry: object = None
 
 
-def stage_pass(cache, modules: dict, layers: list, layer_ids: list[int], top_k: int) -> DevicePass | None:
-    """A DevicePass over this stage's layers, or None when the stage has no MoE layer."""
+def stage_pass(cache, modules: dict, layers: list, layer_ids: list[int], top_k: int,
+               route_windows: bool = False) -> DevicePass | None:
+    """A DevicePass over this stage's layers, or None when the stage has no MoE layer. route_windows: a speculative
+    run's stage, whose windows (verify windows, plain rounds) route by the windows' own miss rates as one process's
+    speculative decoder does."""
     if cache is None or not modules:
         return None
     first = layer_ids[0]
     host = StagePassHost(cache, modules, LayerReplay(layers), {l: l - first for l in modules}, top_k)
     # As one process decodes: one-token forwards route the layers whose misses make a sync pay (route_sync.py),
     # the rest wait for the forward's one sync; the rates carry on the host from token to token.
-    return DevicePass(host, segment="auto")
+    dp = DevicePass(host, segment="auto")
+    dp.route_windows = route_windows
+    return dp
