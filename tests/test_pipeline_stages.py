@@ -7,6 +7,7 @@ without sockets, so they are fast.
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -86,6 +87,17 @@ def test_chained_stages_equal_stock_mlx_lm(tiny_dirs, packed_dirs, family, n_ran
             s.close()
 
 
+@contextmanager
+def _two_stages(path, **cfg):
+    """Both ranks of a 2-stage split in this process, closed after."""
+    stages = [Stage.load(path, r, 2, StageConfig(**cfg)) for r in range(2)]
+    try:
+        yield stages
+    finally:
+        for s in stages:
+            s.close()
+
+
 def test_a_stage_syncs_once_per_decode_step_with_its_experts_resident(packed_dirs):
     """Per rank: a decode step is one host sync (the device pass) once its experts are resident; the
     synced path makes one per MoE layer plus the output's. Repairs while experts are absent add syncs."""
@@ -93,8 +105,7 @@ def test_a_stage_syncs_once_per_decode_step_with_its_experts_resident(packed_dir
     ids = [5, 9, 14, 3, 7, 21, 30, 11]
     per_step = {}
     for one_sync in (True, False):
-        stages = [Stage.load(path, r, 2, StageConfig(budget="100%", one_sync=one_sync)) for r in range(2)]
-        try:
+        with _two_stages(path, budget="100%", one_sync=one_sync) as stages:
             first = _chain_greedy(stages, ids, 6)  # cold: experts read on demand (repairs)
             for s in stages:
                 s.reset(0)
@@ -104,9 +115,6 @@ def test_a_stage_syncs_once_per_decode_step_with_its_experts_resident(packed_dir
             if one_sync:
                 assert all(s.device_pass.stats.repairs > 0 for s in stages)  # the cold run repaired
             moe = [len(s.modules) for s in stages]
-        finally:
-            for s in stages:
-                s.close()
     assert per_step[True] == [1.0, 1.0]
     assert per_step[False] == [m + 1.0 for m in moe]
 
@@ -119,16 +127,12 @@ def test_a_stage_routes_the_layers_that_keep_missing_and_stays_lossless(packed_d
     ids = [5, 9, 14, 3, 7, 21, 30, 11]
     out = {}
     for one_sync in (True, False):
-        stages = [Stage.load(path, r, 2, StageConfig(budget="50%", one_sync=one_sync)) for r in range(2)]
-        try:
+        with _two_stages(path, budget="50%", one_sync=one_sync) as stages:
             out[one_sync] = _chain_greedy(stages, ids, 16)
             if one_sync:
                 passes = [s.device_pass for s in stages if s.device_pass is not None]
                 assert passes and any(p.stats.routed > 0 for p in passes)
                 assert all(p.stats.route_syncs >= p.stats.routed for p in passes)
-        finally:
-            for s in stages:
-                s.close()
     assert out[True] == out[False]
 
 
