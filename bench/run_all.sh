@@ -69,7 +69,7 @@ for k in 5 6; do  # forecast size vs recall (k' experts per window token; 4 is t
   run speculative_forecast_k$k python bench/bench_speculative.py --forecast-k $k --variants spmoe --budgets 50%
 done
 for ms in 1 2 4; do
-  run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,oracle --repeats 2
+  run speculative_emulated_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,none,spmoe,spmoe+last,oracle --repeats 3
 done
 for ms in 0 1 2; do  # the hot-path section's speculative rows (+1/+2 ms per read: emulated)
   run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,spmoe+last,spmoe/off,oracle --budgets 50% --repeats 3
