@@ -13,9 +13,11 @@ without building forward n+1 before forward n's sync, runtime/decode/next_forwar
 with segment repairs only, no routed forwards, runtime/decode/route_sync.py; "all layers": auto whose forwards
 route every layer when they route any, instead of only the layers that miss often enough; "staged off": auto whose
 routed forwards sync as they are built, with no next forward built between their route syncs,
-runtime/decode/paced_build.py). Ratios are per
-trial against the stock run of the same trial (interleaved, every variant once per trial in a fresh
-order), reported as median and min-max. Prints a table and ends with one JSON line.
+runtime/decode/paced_build.py). Ratios are paired:
+in each trial every variant runs once, in a fresh order, and each of its prompts runs back to back with the
+same prompt on stock (which first, at random), so drift on this shared machine hits both alike; a trial's
+ratio is the variant's tok/s over its stock partner's, reported as median and min-max. "stock (A/A
+control)" is a second stock model paired the same way: its spread is the run's noise floor. Prints a table and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from runtime.decode import offloaded_generate_step  # noqa: E402
 from runtime.decode.warm import warm_start  # noqa: E402
 from runtime.checkpoints import make_tiny  # noqa: E402
 
+CONTROL = "stock (A/A control)"
 PROMPTS = [
     "The history of the river begins in the mountains, where",
     "def load_experts(path):\n    \"\"\"Read every expert",
@@ -68,47 +71,58 @@ def _counters(om) -> dict:
     return {**om.counters(), "host_syncs": om.cache.host_syncs}
 
 
+def decode_prompt(model, tokenizer, prompt: str, n_tokens: int, om=None, one_sync: str = "auto",
+                  build_next: bool = True, route: bool | str = True, staged: bool = True) -> dict:
+    """One prompt's decode: tokens decoded after the first, wall and CPU seconds, and the offloaded model's
+    misses, bytes read, host syncs and repairs over them."""
+    sampler = lambda x: mx.argmax(x, axis=-1)  # noqa: E731  (generate_step's default)
+    ids = mx.array(tokenizer.encode(prompt))
+    dp = None
+    if om is not None and one_sync != "off":
+        from runtime.decode import DevicePass
+
+        warm_start(om)
+        dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next,
+                        route=bool(route), route_all=route == "all", staged=staged)
+        gen = offloaded_generate_step(om, ids, max_tokens=n_tokens, sampler=sampler, device_pass=dp,
+                                      after_prefill=om.cache.settle_inflight)
+    else:
+        gen = generate_step(ids, model, max_tokens=n_tokens)
+    next(gen)  # prefill + first token: not decode
+    c0 = _counters(om) if om else None
+    r0 = dp.stats.repairs if dp else 0
+    t0, p0 = time.perf_counter(), time.process_time()
+    n, at_last = 0, (0, 0)
+    for _ in gen:
+        n += 1
+        if om:  # syncs up to the last token (not the step generate_step computes after it)
+            at_last = (om.cache.host_syncs, dp.stats.repairs if dp else 0)
+    run = {"tokens": n, "wall": time.perf_counter() - t0, "cpu": time.process_time() - p0,
+           "misses": 0, "bytes_read": 0, "host_syncs": n, "repairs": 0}
+    if om:
+        c1 = _counters(om)
+        run.update(misses=c1["misses"] - c0["misses"], bytes_read=c1["bytes_read"] - c0["bytes_read"],
+                   host_syncs=at_last[0] - c0["host_syncs"], repairs=at_last[1] - r0)
+    return run
+
+
+def summarize(runs: list[dict]) -> tuple[float, dict]:
+    """tok/s over `runs` (all decoded tokens / all decode time) and per decoded token: misses, MB read,
+    host syncs, repairs, CPU ms."""
+    decoded = sum(r["tokens"] for r in runs)
+    total = {k: sum(r[k] for r in runs) for k in ("wall", "cpu", "misses", "bytes_read", "host_syncs", "repairs")}
+    per = {"misses_per_token": total["misses"] / decoded, "mb_read_per_token": total["bytes_read"] / decoded / 1e6,
+           "host_syncs_per_token": total["host_syncs"] / decoded, "repairs_per_token": total["repairs"] / decoded,
+           "cpu_ms_per_token": total["cpu"] / decoded * 1e3}
+    return decoded / total["wall"], per
+
+
 def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto",
                build_next: bool = True, route: bool | str = True, staged: bool = True) -> tuple[float, dict]:
     """Decode tok/s over PROMPTS (all decoded tokens / all decode time); per decoded token: misses,
-    MB read, host syncs, repairs."""
-    elapsed, cpu, decoded, totals = 0.0, 0.0, 0, {"misses": 0, "bytes_read": 0, "host_syncs": 0, "repairs": 0}
-    sampler = lambda x: mx.argmax(x, axis=-1)  # noqa: E731  (generate_step's default)
-    for prompt in PROMPTS:
-        ids = mx.array(tokenizer.encode(prompt))
-        dp = None
-        if om is not None and one_sync != "off":
-            from runtime.decode import DevicePass
-
-            warm_start(om)
-            dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next,
-                            route=bool(route), route_all=route == "all", staged=staged)
-            gen = offloaded_generate_step(om, ids, max_tokens=n_tokens, sampler=sampler, device_pass=dp,
-                                          after_prefill=om.cache.settle_inflight)
-        else:
-            gen = generate_step(ids, model, max_tokens=n_tokens)
-        next(gen)  # prefill + first token: not decode
-        c0 = _counters(om) if om else None
-        r0 = dp.stats.repairs if dp else 0
-        t0, p0 = time.perf_counter(), time.process_time()
-        n, at_last = 0, (0, 0)
-        for _ in gen:
-            n += 1
-            if om:  # syncs up to the last token (not the step generate_step computes after it)
-                at_last = (om.cache.host_syncs, dp.stats.repairs if dp else 0)
-        elapsed += time.perf_counter() - t0
-        cpu += time.process_time() - p0
-        if om:
-            c1 = _counters(om)
-            for k in ("misses", "bytes_read"):
-                totals[k] += c1[k] - c0[k]
-            totals["host_syncs"] += at_last[0] - c0["host_syncs"]
-            totals["repairs"] += at_last[1] - r0
-        decoded += n
-    per = {"misses_per_token": totals["misses"] / decoded, "mb_read_per_token": totals["bytes_read"] / decoded / 1e6,
-           "host_syncs_per_token": totals["host_syncs"] / decoded if om else 1.0,
-           "repairs_per_token": totals["repairs"] / decoded, "cpu_ms_per_token": cpu / decoded * 1e3}
-    return decoded / elapsed, per
+    MB read, host syncs, repairs, CPU ms."""
+    return summarize([decode_prompt(model, tokenizer, p, n_tokens, om, one_sync, build_next, route, staged)
+                      for p in PROMPTS])
 
 
 def main() -> None:
@@ -137,7 +151,9 @@ def main() -> None:
         ablations = [(suffix, [b for b in getattr(args, flag[2:].replace("-", "_")).split(",") if b], applies, options)
                      for suffix, flag, _, applies, options, _ in ABLATIONS]
         base = dict(build_next=True, route=True, staged=True)
-        variants = [("stock", None, None, True, True, True)]
+        # The A/A control: a second stock model, measured against stock like every variant. Its spread is the
+        # noise of this run's pairing: a variant within it is not slower or faster than stock.
+        variants = [("stock", None, None, True, True, True), (CONTROL, None, None, True, True, True)]
         for b in args.budgets.split(","):  # at 100% there is no repair: the modes but "off" run alike
             for m in (modes[:1] if b == "100%" and "off" not in modes else modes):
                 name = f"specmoe {b}" + (f" {m}" if len(modes) > 1 and b != "100%" else "")
@@ -156,17 +172,28 @@ def main() -> None:
                 loaded[name] = (om.model, om.tokenizer, om, mode, build_next, route, staged)
         for model, tok, om, mode, build_next, route, staged in loaded.values():  # warmup: files hot, kernels built
             decode_tps(model, tok, 8, om, mode, build_next, route, staged)
-        samples = {name: [] for name, *_ in variants}
-        io = {}
+        samples = {name: [] for name, *_ in variants}  # per trial: (variant's tok/s, its stock partner's)
+        io = {name: [] for name, *_ in variants}  # per trial: (variant's per-token counts, its stock partner's)
         rng = random.Random(0)
-        for _ in range(args.trials):  # interleave variants so drift hits all alike, in a fresh order each trial
-            order = [name for name, *_ in variants]
+        for _ in range(args.trials):
+            order = [name for name, *_ in variants if name != "stock"]
             rng.shuffle(order)  # no variant always runs right after the same one (its garbage, its evictions)
             for name in order:
-                model, tok, om, mode, build_next, route, staged = loaded[name]
-                tps, per = decode_tps(model, tok, args.tokens, om, mode, build_next, route, staged)
-                samples[name].append(tps)
-                io.setdefault(name, []).append(per)
+                # Paired: each prompt runs on this variant and on stock back to back, in a random order, so the
+                # machine's drift (other tenants, clocks) hits both alike; their ratio is this trial's sample.
+                runs = {name: [], "stock": []}
+                for prompt in PROMPTS:
+                    pair = [name, "stock"]
+                    rng.shuffle(pair)
+                    for who in pair:
+                        model, tok, om, mode, build_next, route, staged = loaded[who]
+                        runs[who].append(decode_prompt(model, tok, prompt, args.tokens, om, mode, build_next,
+                                                       route, staged))
+                (tps, per), (stock_tps, stock_per) = summarize(runs[name]), summarize(runs["stock"])
+                samples[name].append((tps, stock_tps))
+                io[name].append((per, stock_per))
+                samples["stock"].append((stock_tps, stock_tps))
+                io["stock"].append((stock_per, stock_per))
         expert_mb = None
         for _, _, om, *_ in loaded.values():
             if om:
@@ -174,7 +201,9 @@ def main() -> None:
                 om.close()
 
     lines = [f"model: {args.model or 'synthetic qwen3_moe, 8 layers x 64 experts, top-4'} ({expert_mb:.1f} MB of experts); "
-             f"greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, {args.trials} interleaved trials (a fresh order each), files hot, "
+             f"greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, {args.trials} trials (variants in a fresh order each; "
+             f"each prompt run on the variant and on stock back to back, in a random order: a ratio is that pair's), "
+             f"files hot, {CONTROL!r} is a second stock model (the pairing's noise), "
              f"one-sync modes: {args.one_sync} (auto: a sync before the experts of each layer whose misses make it pay, repairs for the rest; on: one sync + one per "
              f"repair; off: one sync per MoE layer); load average {load0:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end",
@@ -182,11 +211,11 @@ def main() -> None:
              f"{'misses/tok':>12}{'MB read/tok':>13}{'syncs/tok':>11}{'repairs/tok':>13}"]
     results = {}
     for name, *_ in variants:
-        tps = statistics.median(samples[name])
-        ratios = [a / b for a, b in zip(samples[name], samples["stock"])]
+        tps = statistics.median(t for t, _ in samples[name])
+        ratios = [t / st for t, st in samples[name]]
         # CPU time per token (this process, all threads): work done, less sensitive to other tenants than wall time.
-        cpu_ratios = [b["cpu_ms_per_token"] / a["cpu_ms_per_token"] for a, b in zip(io[name], io["stock"])]
-        per = {k: statistics.mean(p[k] for p in io[name]) for k in io[name][0]}
+        cpu_ratios = [sp["cpu_ms_per_token"] / p["cpu_ms_per_token"] for p, sp in io[name]]
+        per = {k: statistics.mean(p[k] for p, _ in io[name]) for k in io[name][0][0]}
         results[name] = {"tokens_per_s": tps, "ratio_vs_stock": statistics.median(ratios),
                          "ratio_min": min(ratios), "ratio_max": max(ratios), "ratios": ratios,
                          "cpu_ratio_vs_stock": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
@@ -197,7 +226,7 @@ def main() -> None:
                      f"{per['misses_per_token']:>12.2f}{per['mb_read_per_token']:>13.3f}"
                      f"{per['host_syncs_per_token']:>11.2f}{per['repairs_per_token']:>13.2f}")
     lines.append(json.dumps({"bench": "decode", "model": str(args.model or "synthetic qwen3_moe 8x64 experts"),
-                             "one_sync": args.one_sync, "load_average": [load0, os.getloadavg()[0]], "tokens": args.tokens, "trials": args.trials, "order": "shuffled per trial", "results": results}))
+                             "one_sync": args.one_sync, "load_average": [load0, os.getloadavg()[0]], "tokens": args.tokens, "trials": args.trials, "order": "shuffled per trial, each prompt paired with a stock run", "results": results}))
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
