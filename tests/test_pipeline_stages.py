@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -197,6 +198,7 @@ class _OneRank:
     """The channel of a pipeline of one rank: the driver runs its stage locally and sends nothing."""
 
     rank, size = 0, 1
+    stats = SimpleNamespace(bytes_sent=0)  # what rank_report() reads of a channel
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
@@ -247,12 +249,25 @@ def test_a_speculative_stage_routes_its_windows_and_equals_plain(packed_dirs, tm
             plain, _ = generate_plain(PipelineDriver(stage, _OneRank()), ids, max_tokens=n)
             stage.reset(0)
             routed0, repairs0 = stage.device_pass.stats.routed, stage.device_pass.stats.repairs
-            spec = PipelineSpeculative(PipelineDriver(stage, _OneRank()), make_drafter(draft_model, "none"),
+            windows = []  # per verify window: (tokens, demand reads of its forward)
+            add = stage.window_reads.add
+            stage.window_reads.add = lambda routing, reads, t: (windows.append((t, sum(map(len, reads.values())))),
+                                                                add(routing, reads, t))
+            driver = PipelineDriver(stage, _OneRank())
+            spec = PipelineSpeculative(driver, make_drafter(draft_model, "none"),
                                        pipeline_predictor("none", stage, draft_model, draft_config),
                                        SpecConfig(num_draft=3, adaptive_k=False))
-            tokens, _ = spec.generate(ids, n)
+            tokens, stats = spec.generate(ids, n)
             assert tokens == plain
             counts[route] = (stage.device_pass.stats.routed - routed0, stage.device_pass.stats.repairs - repairs0)
+            # Every demand read of a verify window is booked to the window tokens that routed to it, as in one process
+            # (runtime/decode/window_reads.py); the ranks' counts reach rank 0's stats and summary line.
+            w = stage.window_reads
+            assert w.windows == sum(t > 1 for t, _ in windows) >= stats.n_rounds - 1
+            assert w.total == sum(r for t, r in windows if t > 1) > 0
+            assert w.first_only + w.middle_only + w.last_only + w.shared > w.unrouted  # the routing was observed
+            stats.ranks = driver.stop()
+            assert stats.window_reads.to_json() == w.to_json() and "verify reads" in stats.line()
         finally:
             stage.close()
     assert counts[True][0] > 0 and counts[False][0] == 0, counts

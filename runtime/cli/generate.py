@@ -46,10 +46,8 @@ def spec_line(stats, prefetch_layers) -> str:
 
 def _reads_note(stats) -> str:
     """Verify reads per round and the share only the last draft needed (runtime/decode/window_reads.py)."""
-    w = getattr(stats, "window_reads", None)  # pipeline runs do not count them
-    if w is None or not w.total:
-        return ""
-    return f" | verify reads {w.total / max(1, w.windows):.2f}/window, {w.last_only / w.total:.0%} for the last draft only"
+    w = getattr(stats, "window_reads", None)
+    return f" | {w.line()}" if w is not None and w.total else ""
 
 
 def low_acceptance_note(stats) -> str | None:

@@ -62,5 +62,11 @@ class WindowReads:
                 else:
                     self.middle_only += 1
 
+    def line(self) -> str:
+        """'verify reads N/window, X% for the last draft only', or '' when no counted window read."""
+        if not self.total:
+            return ""
+        return f"verify reads {self.total / max(1, self.windows):.2f}/window, {self.last_only / self.total:.0%} for the last draft only"
+
     def to_json(self) -> dict:
         return {**asdict(self), "total": self.total}

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from runtime.decode.window_reads import WindowReads
+
 PREFILL_STEP = 2048  # mlx-lm's generate_step default
 
 
@@ -37,11 +39,26 @@ class PipelineStats:
     def acceptance(self) -> float:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
+    @property
+    def window_reads(self) -> WindowReads | None:
+        """Every rank's verify-window reads summed (each rank counts the same windows in its own layers), or None
+        before the ranks reported (runtime/decode/window_reads.py)."""
+        rows = [r["counters"]["window_reads"] for r in self.ranks if "window_reads" in r.get("counters", {})]
+        if not rows:
+            return None
+        total = WindowReads(windows=max(row["windows"] for row in rows))
+        for field_name in ("first_only", "middle_only", "last_only", "shared", "unrouted"):
+            setattr(total, field_name, sum(row[field_name] for row in rows))
+        return total
+
     def line(self) -> str:
         parts = [f"{self.tokens_per_s:.1f} tok/s over {self.n_ranks} ranks"]
         if self.n_rounds:
             parts.append(f"acceptance {self.acceptance:.0%}, {self.n_tokens / self.n_rounds:.2f} tokens/verify, "
                          f"mean K {self.n_drafted / self.n_rounds:.2f}")
+            reads = self.window_reads
+            if reads is not None and reads.total:
+                parts.append(reads.line() + " (all ranks)")
         for r in self.ranks:
             c = r["counters"]
             hr = c["hits"] / max(1, c["hits"] + c["misses"])

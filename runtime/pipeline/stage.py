@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
@@ -27,6 +28,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from runtime.cache import CachedSwitchGLU, ExpertCache, kv_bytes_estimate, parse_budget, plan_budget
 from runtime.decode import check_supported, text_config, top_k
+from runtime.decode.window_reads import WindowReads
 from runtime.pipeline.stage_pass import stage_pass
 from runtime.pipeline.split import StageSplit, balanced_split, explicit_split, layer_bytes, layer_of
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
@@ -96,6 +98,8 @@ class Stage:
         self.chain_trimmable = chain_trimmable  # every rank's caches are KV caches (a prompt prefix can be kept)
         self.device_pass = device_pass  # DevicePass over this stage (None: synced path, one sync per MoE layer)
         self.syncs: dict[str, list[int]] = {}  # window kind -> [windows, host syncs] (see run())
+        self.window_reads = WindowReads()  # verify windows' demand reads in this rank's layers, by window token
+        self._routing: dict = {}  # MoE layer -> the verify window's expert ids (T, k), while one runs
         self.kv = self.new_cache()
         self._snapshot = None
         self._window: mx.array | None = None
@@ -219,13 +223,32 @@ class Stage:
         the device pass's one sync (+ repairs, + synced layer calls), or, without it, one router read-back
         per MoE layer plus the output's evaluation."""
         before = self.cache.host_syncs if self.cache is not None else 0
-        out = self.forward(h, keep=keep)
+        # A verify window through a device pass: its routing (the modules' observer, called when the pass books the
+        # accepted forward) and the pass's reads say which window tokens needed each read (runtime/decode/window_reads.py).
+        counting = kind == "verify" and self.device_pass is not None
+        if counting:
+            self._routing = {}
+            observers = {l: m.observer for l, m in self.modules.items()}
+            for m in self.modules.values():
+                m.observer = self._observe
+        try:
+            out = self.forward(h, keep=keep)
+        finally:
+            if counting:
+                for l, m in self.modules.items():
+                    m.observer = observers[l]
         mx.eval(out)
+        if counting:
+            self.window_reads.add(self._routing, self.device_pass.forward_reads, h.shape[1])
         syncs = (self.cache.host_syncs if self.cache is not None else 0) - before + (self.device_pass is None)
         row = self.syncs.setdefault(kind, [0, 0])
         row[0] += 1
         row[1] += syncs
         return out
+
+    def _observe(self, layer: int, ids) -> None:
+        """A verify window's routing in `layer` (T, k); a layer observed twice keeps both (the last rows count)."""
+        self._routing[layer] = np.concatenate([self._routing[layer], ids]) if layer in self._routing else ids
 
     def rewind(self, rejected: int, keep_tokens: int) -> int:
         """Drop the last `rejected` positions of the kept window; returns tokens re-run (0 if trimmed)."""
@@ -279,6 +302,7 @@ class Stage:
             "prefetch_cancelled": sum(s.prefetch_cancelled for s in stats),
             "bytes_read": self.loader.stats.bytes_read, "load_wait_ms": self.loader.stats.wait_ms,
             "host_syncs": {kind: {"windows": n, "host_syncs": syncs} for kind, (n, syncs) in self.syncs.items()},
+            "window_reads": self.window_reads.to_json(),
             "device_pass": self.device_pass.stats.to_json() if self.device_pass is not None else None,
         }
 
