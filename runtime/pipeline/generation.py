@@ -70,7 +70,8 @@ class PipelineStats:
         return " | ".join(parts)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "acceptance": self.acceptance}
+        reads = self.window_reads
+        return {**asdict(self), "acceptance": self.acceptance, "window_reads": reads.to_json() if reads else None}
 
 
 def plain_stream(driver, prompt_ids: list[int], *, max_tokens: int, sampler=None, eos_ids=(), prefill_step: int = PREFILL_STEP,
