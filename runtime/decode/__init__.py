@@ -28,6 +28,7 @@ from runtime.decode.speculative_run import release_drafter, run_speculative, spe
 from runtime.decode.taps import HiddenTaps
 from runtime.decode.layer_replay import LayerReplay
 from runtime.decode.route_ahead import ROUTE_AHEAD_MODES, RouteAhead
+from runtime.decode.window_reads import WindowReads
 
 __all__ = [
     "common_prefix",
@@ -37,5 +38,5 @@ __all__ = [
     "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens",
     "SpecConfig", "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter",
     "stream_tokens", "HiddenTaps", "Sampling", "accept_greedy", "accept_sampled", "probabilities", "sample", "DraftLength",
-    "LayerReplay", "ROUTE_AHEAD_MODES", "RouteAhead",
+    "LayerReplay", "ROUTE_AHEAD_MODES", "RouteAhead", "WindowReads",
 ]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from runtime.decode.window_reads import WindowReads
+from runtime.decode import WindowReads
 
 PREFILL_STEP = 2048  # mlx-lm's generate_step default
 
