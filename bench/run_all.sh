@@ -94,7 +94,9 @@ run decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100
 run decode_embedded_one_sync_off python bench/bench_decode.py --model "$TARGET" --budgets 100% --trials 5 --one-sync off
 run hotpath_decode python bench/bench_decode.py --trials 8
 run hotpath_decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50% --trials 8
-run hotpath_decode_100 python bench/bench_decode.py --budgets 100% --trials 16 --next-off ""
+# The three targets alone (issue 14), 16 paired trials with the A/A control: fewer models in the process than the
+# ablation table above, whose every variant is loaded at once.
+run hotpath_decode_targets python bench/bench_decode.py --budgets 100%,50%,25% --one-sync auto --trials 16 --next-off "" --route-off "" --route-all "" --staged-off ""
 run prefill python bench/bench_prefill.py
 run long_context python bench/bench_long_context.py
 run long_context_tight python bench/bench_long_context.py --cap 145000000
