@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime.checkpoints import embedded_pair  # noqa: E402
 from runtime.observe import read_prompts  # noqa: E402
 from runtime.tune import SettingRunner, Workload  # noqa: E402
-from runtime.tune import resolve_lookahead, resolve_route_ahead, resolve_settings  # noqa: E402
+from runtime.tune import resolve_forecast_experts, resolve_lookahead, resolve_route_ahead, resolve_settings  # noqa: E402
 from runtime.tune import Setting  # noqa: E402
 
 
@@ -47,10 +47,11 @@ def main() -> None:
         raise SystemExit(f"no tuning for this pair and budget ({note}); run specmoe tune first")
     la, la_m = resolve_lookahead(Path(model), Path(draft), args.budget, None, None)
     ra = resolve_route_ahead(Path(model), Path(draft), args.budget, None) == "on"
-    tuned = Setting(cut if cut is not None else -1, pred, k, pol, la, la_m or 0, ra)
+    fk = resolve_forecast_experts(Path(model), Path(draft), args.budget, None)
+    tuned = Setting(cut if cut is not None else -1, pred, k, pol, la, la_m or 0, ra, fk or 0)
     data = json.loads((Path(model) / "tuning.json").read_text())
     swept = {Setting(m["cutoff"], m["predictor"], m["num_draft"], m["policy"], m.get("lookahead", 0),
-                     m.get("lookahead_experts", 0), m.get("route_ahead", False))
+                     m.get("lookahead_experts", 0), m.get("route_ahead", False), m.get("forecast_experts", 0))
              for e in data["entries"] for m in e["measured"]}
     settings = [tuned] + sorted(swept - {tuned}, key=lambda s: s.simplicity())
     runner = SettingRunner(Workload(model, draft, args.budget, read_prompts(args.prompts), args.max_tokens, args.io_mode))
@@ -83,6 +84,7 @@ def main() -> None:
             verdict = "within the noise"
         la = f" la={s.lookahead}x{s.lookahead_experts or 'k'}" if s.lookahead else ""
         la += " route-ahead" if s.route_ahead else ""
+        la += f" fc={s.forecast_experts}" if s.forecast_experts else ""
         label = ("TUNED " if s == tuned else "") + f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}{la}"
         rows.append({"setting": label, "tokens_per_s": tps, "tokens_per_s_min": min(samples[s]),
                      "tokens_per_s_max": max(samples[s]), "ratio_vs_tuned": r, "ratio_min": lo, "ratio_max": hi,

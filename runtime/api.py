@@ -120,9 +120,10 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     notes = []
     settings = None
-    from runtime.tune import resolve_lookahead, resolve_route_ahead
+    from runtime.tune import resolve_forecast_experts, resolve_lookahead, resolve_route_ahead
 
     route_ahead = resolve_route_ahead(Path(model), Path(draft) if draft else None, budget, route_ahead)
+    forecast_k = resolve_forecast_experts(Path(model), Path(draft) if draft else None, budget, forecast_k)
     lookahead, lookahead_experts = resolve_lookahead(Path(model), Path(draft) if draft else None, budget, lookahead,
                                                      lookahead_experts)
     if draft is not None:

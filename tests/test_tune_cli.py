@@ -108,6 +108,11 @@ def test_tune_measures_the_lookahead_and_emulated_reads_are_labelled(pair, tmp_p
     assert "lookahead j/m" in stdout and ("lookahead off" in stdout or "layer(s) ahead" in stdout)
     # Route-ahead for the verify windows' route syncs is measured too, and kept only if it pays (5c).
     assert any(s["route_ahead"] for s in settings) and "route-ahead" in stdout
+    # A wider spmoe forecast (5d: 2k experts per window token) is measured when spmoe prefetches at that point, and
+    # shown per row; kept only if it pays, as route-ahead.
+    wide = [s for s in settings if s["forecast_experts"]]
+    assert all(s["forecast_experts"] == 2 * TINY["top_k"] and s["predictor"] == "spmoe" and s["cutoff"] for s in wide)
+    assert "forecast/token" in stdout
     if report["chosen"]["route_ahead"]:  # kept: it measured faster than the same setting without it
         twin = {**report["chosen"], "route_ahead": False}
         tps = {json.dumps(m["setting"], sort_keys=True): m["tokens_per_s"] for m in report["measured"]}

@@ -156,3 +156,71 @@ def test_a_single_pass_counts_with_the_noise_the_runs_repeats_show():
     assert c.setting.cutoff == 0 and "a single pass counts as +-" in c.reason and "does not pay" in c.reason
     assert c.measurement.tokens_per_s_min is None  # reported as measured, not with the widened band
     assert choose(runs[:2]).setting.cutoff == 2  # repeats all tight: the +-3% floor, prefetch wins
+
+
+def test_a_wider_forecast_is_kept_only_when_it_pays_and_reaches_generate(tmp_path):
+    """Stage 5d: spmoe taking 2k experts per window token instead of k is chosen only outside the noise of the
+    same setting at k; resolve_forecast_experts() (what api.load uses) gives the flag, else the tuned width for
+    this model, drafter, budget and machine, else None (the model's k); entries written before it load as k."""
+    from predictor.projection import config_digest
+    from runtime.tune.settings import resolve_forecast_experts
+
+    narrow = Measurement(Setting(2, "spmoe", 3, "dlfu"), 10.0, 1.0, 0.0, 0.0, 0.5, 0.5)
+    near = Measurement(Setting(2, "spmoe", 3, "dlfu", forecast_experts=8), 10.2, 0.6, 1.0, 0.5, 0.7, 0.5)
+    assert choose([narrow, near]).setting == narrow.setting  # within the noise: the model's k
+    wide = Measurement(Setting(2, "spmoe", 3, "dlfu", forecast_experts=8), 11.5, 0.6, 1.0, 0.5, 0.7, 0.5)
+    assert choose([narrow, wide]).setting.forecast_experts == 8
+    model, draft = tmp_path / "m", tmp_path / "d"
+    for d in (model, draft):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": d.name}))
+    key = tuning_key(config_digest({"model_type": "m"}), config_digest({"model_type": "d"}), "50%")
+    save_tuning(model, key, choose([narrow, wide]), [narrow, wide])
+    assert resolve_forecast_experts(model, draft, "50%", None) == 8
+    assert resolve_forecast_experts(model, draft, "50%", 5) == 5  # the flag wins
+    assert resolve_forecast_experts(model, None, "50%", None) is None  # plain decoding: no forecast
+    assert resolve_forecast_experts(model, draft, "25%", None) is None  # no entry for this budget
+    data = json.loads((model / "tuning.json").read_text())
+    for e in data["entries"]:
+        e["setting"].pop("forecast_experts")
+    (model / "tuning.json").write_text(json.dumps(data))
+    assert resolve_forecast_experts(model, draft, "50%", None) is None
+
+
+def test_tune_measures_a_wider_forecast_beside_the_best_spmoe_setting_and_keeps_it_only_when_it_pays(tmp_path, monkeypatch):
+    """run_tune's stage 5d on a stand-in runner (tok/s from a formula, no model): once spmoe prefetches in the best
+    setting so far, the same setting with 2k experts per window token is measured; it is chosen when it is faster
+    outside the noise, and not when it only ties."""
+    import runtime.tune.run as tune_run
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one prompt\n")
+
+    class Runner:
+        n_moe_layers, top_k, slots_per_layer = 4, 4, 16
+        model_id = {"n_experts": 32, "digest": "model"}
+        draft_config: dict = {}
+        expert_counts: dict = {}
+        wide_gain = 1.0
+        seen: list = []
+
+        def __init__(self, work):
+            pass
+
+        def measure(self, s):
+            Runner.seen.append(s)
+            tps = (12.0 if s.cutoff and s.predictor == "spmoe" else 10.0) * (Runner.wide_gain if s.forecast_experts else 1.0)
+            return (Measurement(s, tps, 1.0, 0.0, 0.0, 0.5, 0.5),
+                    {"load_ms_per_expert": 0.5, "draft_ms_per_round": 20.0, "verify_ms_per_round": 10.0})
+
+    monkeypatch.setattr(tune_run, "SettingRunner", Runner)
+    chosen = {}
+    for gain in (1.0, 1.3):  # a tie, then clearly faster
+        Runner.wide_gain, Runner.seen = gain, []
+        out = tmp_path / f"t{gain}.json"
+        tune_run.run_tune(tmp_path, tmp_path, prompts, budget="50%", max_tokens=4, io_mode="buffered", threads=4,
+                          json_path=out, table=lambda rows, title: title)
+        wide = [s for s in Runner.seen if s.forecast_experts]
+        assert wide and all(s.forecast_experts == 8 and s.predictor == "spmoe" and s.cutoff for s in wide)
+        chosen[gain] = json.loads(out.read_text())["chosen"]
+    assert chosen[1.0]["forecast_experts"] == 0 and chosen[1.3]["forecast_experts"] == 8

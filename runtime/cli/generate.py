@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
         adaptive_k: bool = opt.adaptive_k_option(),
         predictor: str = opt.predictor_option(),
         cutoff: int = opt.cutoff_option(),
-        forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default the model's k; 2k covers more, reads more)."),
+        forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default: the width `specmoe tune` kept for this model, drafter, budget and machine, else the model's k; 2k covers more, reads more)."),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
         one_sync: str = typer.Option("auto", "--one-sync",

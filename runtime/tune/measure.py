@@ -72,7 +72,8 @@ class SettingRunner:
                 _, st, layers = run_speculative(om, w.draft, ids, max_tokens=w.max_tokens, num_draft=s.num_draft,
                                                 predictor=s.predictor, cutoff=s.cutoff, draft_model=self.draft_model,
                                                 draft_config=self.draft_config, lookahead=s.lookahead,
-                                                lookahead_experts=s.lookahead_experts or None)
+                                                lookahead_experts=s.lookahead_experts or None,
+                                                forecast_k=s.forecast_experts or None)
                 tps.append(st.n_tokens / st.decode_s if st.decode_s else 0.0)
                 c = st.counters
                 misses += c["misses"]

@@ -9,6 +9,8 @@ Stages (each measured on the same prompts with fresh caches):
     token (kept only if it is measurably faster: choose() prefers it off within noise);
 5c. route-ahead: routed verify windows also prefetch the next layers' forecast at each layer's sync
     (runtime/decode/route_ahead.py; kept only if measurably faster, as 5b);
+5d. a wider spmoe forecast: 2k experts per window token instead of k (more of the window's experts
+    prefetched, more bytes read and evicted; kept only if measurably faster, as 5b);
 6. the three fastest settings and the baseline (prefetch off) measured twice more, interleaved
    (their median counts, their min-max is the noise band tuner.choose() compares): whether
    prefetch pays is decided on repeated passes of both sides, never on one pass of the baseline.
@@ -50,7 +52,8 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
                 return
             bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy} "
                                          f"lookahead {s.lookahead}/{s.lookahead_experts} "
-                                         f"route-ahead {'on' if s.route_ahead else 'off'}")
+                                         f"route-ahead {'on' if s.route_ahead else 'off'}"
+                                         + (f" forecast {s.forecast_experts}/token" if s.forecast_experts else ""))
             m, facts = runner.measure(s)
             measured.append(m)
             return facts
@@ -89,6 +92,9 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
                 run(Setting(best.cutoff, best.predictor, best.num_draft, best.policy, j, m))
         if not holds_all:  # misses left in verify windows: does prefetching ahead at their route syncs pay?
             run(replace(choose(measured).setting, route_ahead=True))
+        best = choose(measured).setting
+        if best.cutoff and best.predictor == "spmoe" and not holds_all:  # does a wider forecast pay its reads?
+            run(replace(best, forecast_experts=min(2 * k, n_experts)))
         # One pass per setting is noisy on a shared machine: measure the finalists again, interleaved,
         # and decide on the median of all their passes.
         finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]
@@ -111,6 +117,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
     c = choice.setting
     ahead = f"lookahead {c.lookahead} layer(s) ahead, {c.lookahead_experts or k} experts/token" if c.lookahead else "lookahead off"
     ahead += ", route-ahead on" if c.route_ahead else ", route-ahead off"
+    ahead += f", forecast {c.forecast_experts} experts/token" if c.forecast_experts else ""
     console.print(f"chosen: cutoff {c.cutoff}, predictor {c.predictor}, K={c.num_draft}, policy {c.policy}, {ahead} — "
                   f"{choice.reason}", highlight=False)
     err_console.print(f"wrote {path}")

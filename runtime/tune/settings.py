@@ -31,7 +31,9 @@ def resolve_settings(model: Path, draft: Path, budget: str, num_draft, predictor
         out.update(num_draft=tuned.num_draft, predictor=tuned.predictor, cutoff=tuned.cutoff, policy=tuned.policy)
         overridden = [k for k, v in given.items() if v is not None]
         note = (f"using tuned settings from {Path(model) / 'tuning.json'}: K={tuned.num_draft}, predictor {tuned.predictor}, "
-                f"cutoff {tuned.cutoff}, policy {tuned.policy}" + (f" (overridden: {', '.join(overridden)})" if overridden else ""))
+                f"cutoff {tuned.cutoff}, policy {tuned.policy}"
+                + (f", forecast {tuned.forecast_experts} experts/token" if tuned.forecast_experts else "")
+                + (f" (overridden: {', '.join(overridden)})" if overridden else ""))
     out.update({k: v for k, v in given.items() if v is not None})
     return out["num_draft"], out["predictor"], out["cutoff"], out["policy"], note
 
@@ -56,3 +58,13 @@ def resolve_lookahead(model: Path, draft: Path | None, budget: str, lookahead, l
     if tuned is None:
         return 0, lookahead_experts
     return tuned.lookahead, lookahead_experts or tuned.lookahead_experts or None
+
+
+def resolve_forecast_experts(model: Path, draft: Path | None, budget: str, forecast_k: int | None) -> int | None:
+    """spmoe's experts per window token: the flag if given, else the tuned setting for this model, drafter, budget
+    and machine (`specmoe tune` measures 2k against k), else None (the model's k)."""
+    if forecast_k is not None or draft is None:
+        return forecast_k
+    key = tuning_key(config_digest(_config(model)), config_digest(_config(draft)), budget)
+    tuned, _ = load_tuning(model, key)
+    return (tuned.forecast_experts or None) if tuned is not None else None

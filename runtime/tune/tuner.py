@@ -42,11 +42,13 @@ class Setting:
     lookahead: int = 0  # router lookahead for the layers past the cutoff: MoE layers ahead (0 = off)
     lookahead_experts: int = 0  # experts per token it takes (0 = the model's k)
     route_ahead: bool = False  # routed verify windows also prefetch the next layers (runtime/decode/route_ahead.py)
+    forecast_experts: int = 0  # spmoe's experts per window token (0 = the model's k; more covers more, reads more)
 
     def simplicity(self) -> tuple:
-        """Smaller is simpler: prefetch off first, then small cutoffs, lookahead off, route-ahead off, short drafts."""
+        """Smaller is simpler: prefetch off first, then small cutoffs, lookahead off, the model's k per forecast
+        token, route-ahead off, short drafts."""
         return (self.cutoff > 0, self.cutoff, self.lookahead > 0, self.lookahead, self.lookahead_experts,
-                self.route_ahead, self.num_draft, self.policy != DEFAULT_POLICY, self.predictor)
+                self.forecast_experts, self.route_ahead, self.num_draft, self.policy != DEFAULT_POLICY, self.predictor)
 
 
 @dataclass(frozen=True)
