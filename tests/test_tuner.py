@@ -113,6 +113,17 @@ def test_lookahead_kept_only_when_it_pays_and_old_tuning_files_still_load(tmp_pa
     assert setting == Setting(2, "spmoe", 3, "lru") and setting.lookahead == 0
 
 
+def _model_and_drafter(tmp_path, budget: str):
+    """Two directories with a config.json each (a model and a drafter) and the tuning key for them at `budget`."""
+    from predictor.projection import config_digest
+
+    model, draft = tmp_path / "m", tmp_path / "d"
+    for d in (model, draft):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": d.name}))
+    return model, draft, tuning_key(config_digest({"model_type": "m"}), config_digest({"model_type": "d"}), budget)
+
+
 def test_route_ahead_kept_only_when_it_pays_and_resolved_for_generate(tmp_path):
     from runtime.tune.settings import resolve_route_ahead
 
@@ -123,13 +134,7 @@ def test_route_ahead_kept_only_when_it_pays_and_resolved_for_generate(tmp_path):
     assert choose([off, fast]).setting.route_ahead
     # resolve_route_ahead: the flag wins, else the tuned setting (speculative only), else off; entries written
     # before the field existed load with it off.
-    model, draft = tmp_path / "m", tmp_path / "d"
-    for d in (model, draft):
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model_type": d.name}))
-    from predictor.projection import config_digest
-
-    key = tuning_key(config_digest({"model_type": "m"}), config_digest({"model_type": "d"}), "25%")
+    model, draft, key = _model_and_drafter(tmp_path, "25%")
     save_tuning(model, key, choose([off, fast]), [off, fast])
     assert resolve_route_ahead(model, draft, "25%", None) == "on"
     assert resolve_route_ahead(model, draft, "25%", "off") == "off"
@@ -162,7 +167,6 @@ def test_a_wider_forecast_is_kept_only_when_it_pays_and_reaches_generate(tmp_pat
     """Stage 5d: spmoe taking 2k experts per window token instead of k is chosen only outside the noise of the
     same setting at k; resolve_forecast_experts() (what api.load uses) gives the flag, else the tuned width for
     this model, drafter, budget and machine, else None (the model's k); entries written before it load as k."""
-    from predictor.projection import config_digest
     from runtime.tune.settings import resolve_forecast_experts
 
     narrow = Measurement(Setting(2, "spmoe", 3, "dlfu"), 10.0, 1.0, 0.0, 0.0, 0.5, 0.5)
@@ -170,11 +174,7 @@ def test_a_wider_forecast_is_kept_only_when_it_pays_and_reaches_generate(tmp_pat
     assert choose([narrow, near]).setting == narrow.setting  # within the noise: the model's k
     wide = Measurement(Setting(2, "spmoe", 3, "dlfu", forecast_experts=8), 11.5, 0.6, 1.0, 0.5, 0.7, 0.5)
     assert choose([narrow, wide]).setting.forecast_experts == 8
-    model, draft = tmp_path / "m", tmp_path / "d"
-    for d in (model, draft):
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model_type": d.name}))
-    key = tuning_key(config_digest({"model_type": "m"}), config_digest({"model_type": "d"}), "50%")
+    model, draft, key = _model_and_drafter(tmp_path, "50%")
     save_tuning(model, key, choose([narrow, wide]), [narrow, wide])
     assert resolve_forecast_experts(model, draft, "50%", None) == 8
     assert resolve_forecast_experts(model, draft, "50%", 5) == 5  # the flag wins
