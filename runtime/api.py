@@ -123,7 +123,6 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     from runtime.tune import resolve_forecast_experts, resolve_lookahead, resolve_route_ahead
 
     route_ahead = resolve_route_ahead(Path(model), Path(draft) if draft else None, budget, route_ahead)
-    forecast_k = resolve_forecast_experts(Path(model), Path(draft) if draft else None, budget, forecast_k)
     lookahead, lookahead_experts = resolve_lookahead(Path(model), Path(draft) if draft else None, budget, lookahead,
                                                      lookahead_experts)
     if draft is not None:
@@ -133,6 +132,8 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
                                                                       predictor, cutoff, policy)
         if note:
             notes.append(note)
+        if predictor == "spmoe":  # the width tune measured is spmoe's; another predictor keeps the model's k
+            forecast_k = resolve_forecast_experts(Path(model), Path(draft), budget, forecast_k)
         settings = DraftSettings(Path(draft), num_draft, predictor, cutoff,
                                  Path(projection) if projection else None, forecast_k, max_prefetch_bytes,
                                  adaptive_k, lookahead, lookahead_experts)
