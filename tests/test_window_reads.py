@@ -49,3 +49,10 @@ def test_a_speculative_run_counts_its_verify_reads_and_feeding_the_last_draft_sh
         out[last] = w.last_only / w.total
     assert out[False] > 0.25, out  # the drafter never fed d_K: its experts are a large share of the reads
     assert out[True] < out[False], out
+
+
+def test_ranks_counts_sum_over_their_layers_of_the_same_windows():
+    """Pipeline ranks count the same windows in different layers: summed, the reads add and the windows do not."""
+    a, b = WindowReads(3, 1, 2, 3, 0, 0), WindowReads(3, 0, 1, 1, 2, 1)
+    s = WindowReads.summed([a.to_json(), b.to_json()])
+    assert s == WindowReads(3, 1, 3, 4, 2, 1) and s.total == a.total + b.total

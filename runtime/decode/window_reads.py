@@ -19,7 +19,7 @@ Invariant: each demand read of a counted window lands in exactly one of the five
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -61,6 +61,16 @@ class WindowReads:
                     self.first_only += 1
                 else:
                     self.middle_only += 1
+
+    @classmethod
+    def summed(cls, rows: list[dict]) -> "WindowReads":
+        """Several counters' to_json() rows over the same windows in different layers (pipeline ranks): the reads
+        add up, the windows are each rank's (the most any rank counted)."""
+        out = cls(windows=max((row["windows"] for row in rows), default=0))
+        for f in fields(cls):
+            if f.name != "windows":
+                setattr(out, f.name, sum(row[f.name] for row in rows))
+        return out
 
     def line(self) -> str:
         """'verify reads N/window, X% for the last draft only', or '' when no counted window read."""

@@ -44,12 +44,7 @@ class PipelineStats:
         """Every rank's verify-window reads summed (each rank counts the same windows in its own layers), or None
         before the ranks reported (runtime/decode/window_reads.py)."""
         rows = [r["counters"]["window_reads"] for r in self.ranks if "window_reads" in r.get("counters", {})]
-        if not rows:
-            return None
-        total = WindowReads(windows=max(row["windows"] for row in rows))
-        for field_name in ("first_only", "middle_only", "last_only", "shared", "unrouted"):
-            setattr(total, field_name, sum(row[field_name] for row in rows))
-        return total
+        return WindowReads.summed(rows) if rows else None
 
     def line(self) -> str:
         parts = [f"{self.tokens_per_s:.1f} tok/s over {self.n_ranks} ranks"]
