@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -92,4 +95,55 @@ def test_ensure_fills_slots_with_the_right_bytes(packed_dirs):
     st = cache.stats()[layer]
     assert st.hits == 1 and st.misses == 8 and st.evictions == 5
     assert cache.nbytes == 3 * store.layout(layer).expert_bytes
+    loader.close()
+
+
+def test_one_demand_read_runs_on_the_caller_and_wakes_no_io_thread(packed_dirs):
+    """load_absent() and ensure() of one absent expert read it on the calling thread, no I/O thread woken; a call
+    that fails after queueing its read (no room in a later layer) still has that read served (the slot commits)."""
+    store = ExpertStore.open(packed_dirs["qwen3_moe"])
+    loader = AsyncLoader(store, LoaderConfig(threads=2))
+    a, b = store.moe_layers[:2]
+    cache = ExpertCache({l: store.layout(l) for l in (a, b)}, {a: 3, b: 1}, loader)
+    for e in range(6):
+        cache.load_absent({a: np.array([e])})
+        slots, _ = cache.ensure(b, np.array([e]))
+        cache.unpin(b, slots)
+    time.sleep(0.05)  # a thread woken by a finished read would have found nothing by now
+    assert loader.stats.n_requests == 12 and loader.stats.n_idle_wakes == 0
+    cache.table.pin(b, [0])  # layer b's only slot is busy: the call fails after queueing layer a's read
+    with pytest.raises(RuntimeError, match="no room"):
+        cache.load_absent({a: np.array([7]), b: np.array([8])})
+    deadline = time.time() + 2
+    while cache.table.state_of(ExpertKey(a, 7)) != VALID and time.time() < deadline:
+        time.sleep(0.01)
+    assert cache.table.state_of(ExpertKey(a, 7)) == VALID and (cache.table.layers[a].pins == 0).all()
+    loader.close()
+
+
+class _GateReader(RangeReader):
+    """Holds every read until the gate opens."""
+
+    def __init__(self):
+        super().__init__("buffered")
+        self.gate = threading.Event()
+
+    def read(self, path, offset, buffers):
+        self.gate.wait(5)
+        return super().read(path, offset, buffers)
+
+
+def test_load_absent_waits_for_prefetches_holding_the_only_room(packed_dirs):
+    """Every slot of a layer is loading for an unprotected prefetch (a warm start): load_absent() waits for
+    those reads instead of failing for want of room, then reads its expert over one of them."""
+    store = ExpertStore.open(packed_dirs["qwen3_moe"])
+    reader = _GateReader()
+    loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
+    layer = store.moe_layers[0]
+    cache = ExpertCache({layer: store.layout(layer)}, {layer: 2}, loader)
+    assert cache.warm([ExpertKey(layer, 0), ExpertKey(layer, 1)]) == 2
+    threading.Timer(0.1, reader.gate.set).start()
+    read = cache.load_absent({layer: np.array([5])})
+    assert read[layer][0].tolist() == [5] and cache.table.state_of(ExpertKey(layer, 5)) == VALID
+    assert loader.stats.n_requests == 3 and (cache.table.layers[layer].pins == 0).all()
     loader.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from tests.conftest import expert_views as _views
@@ -205,4 +204,40 @@ def test_checksum_verification_fails_corrupt_records(tmp_path, tiny_qwen):
         loader.wait_all([loader.submit(key, _views(store, key.layer))])
     ok = ExpertKey(store.moe_layers[0], 2)
     loader.wait_all([loader.submit(ok, _views(store, ok.layer))])
+    loader.close()
+
+
+def test_a_read_its_caller_waits_for_wakes_no_io_thread(store):
+    """submit(wake=False) + wait_all(): the caller reads it and no I/O thread wakes, neither for the submit nor
+    when the read finishes (a woken thread that finds nothing costs GIL hand-offs: ~0.2 ms a read here)."""
+    layer = store.moe_layers[0]
+    reader = OneGateReader(-1)  # never blocks; records which thread read what
+    loader = AsyncLoader(store, LoaderConfig(threads=2), reader=reader)
+    first = loader.submit(ExpertKey(layer, 0), _views(store, layer), wake=False)
+    time.sleep(0.05)
+    assert not first.started and not first.done()  # no thread took it
+    loader.wait_all([first])
+    for e in range(1, 12):
+        loader.wait_all([loader.submit(ExpertKey(layer, e), _views(store, layer), wake=False)])
+    time.sleep(0.05)  # a thread woken by a finished read would have found nothing by now
+    me = threading.current_thread().name
+    assert all(reader.by[store.ranges(ExpertKey(layer, e))[0].offset] == me for e in range(12))
+    assert loader.stats.n_idle_wakes == 0 and loader.stats.n_requests == 12
+    loader.close()
+
+
+def test_a_ticket_nobody_waits_for_is_still_read(store):
+    """A wake=False ticket whose caller does not wait: wake() lets a thread take it, and drain() serves it."""
+    layer = store.moe_layers[0]
+    reader = OneGateReader(-1)
+    loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
+    views = _views(store, layer)
+    woken = loader.submit(ExpertKey(layer, 1), views, wake=False)
+    loader.wake()
+    woken.wait(2)
+    assert reader.by[store.ranges(ExpertKey(layer, 1))[0].offset].startswith("specmoe-io")
+    assert b"".join(x.tobytes() for x in views) == _expected(store, ExpertKey(layer, 1))
+    drained = loader.submit(ExpertKey(layer, 2), _views(store, layer), wake=False)
+    loader.drain(timeout=2)
+    assert drained.done() and drained.error is None and loader.pending() == 0
     loader.close()

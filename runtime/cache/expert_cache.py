@@ -225,28 +225,30 @@ class ExpertCache(ResidentTables):
                     raise
                 tickets = following
 
-    def _await_room(self, layer: int, experts) -> None:
+    def _await_room(self, layer: int, experts) -> bool:
         """Wait until `layer` can take the absent `experts`: unprotected prefetches still in
         flight occupy slots nobody may evict, so a call that needs them waits for their
-        reads (promoted to demand) instead of failing for want of a slot."""
+        reads (promoted to demand) instead of failing for want of a slot. Returns whether it waited."""
         experts = np.asarray(experts, np.int64)
+        waited = False
         while True:
             with self._lock:
                 ls = self.table.layers[layer]
                 n_absent = int((ls.expert_to_slot[experts] < 0).sum())
                 if n_absent == 0:
-                    return
+                    return waited
                 state, pins, owner = ls.state[: ls.usable], ls.pins[: ls.usable], ls.slot_to_expert[: ls.usable]
                 others = ls.not_holding(experts)
                 room = int(((state == FREE) | ((state == VALID) & (pins == 0) & others)).sum())
                 busy = np.flatnonzero((state == LOADING) & (pins == 0) & others)
                 if n_absent <= room or not len(busy):
-                    return  # enough room, or nothing to wait for (request() reports the shortage)
+                    return waited  # enough room, or nothing to wait for (request() reports the shortage)
                 waits = [t for t in (self._tickets.get(ExpertKey(layer, int(owner[s]))) for s in busy) if t is not None]
                 for t in waits:
                     self.loader.promote(t)
             if not waits:
-                return
+                return waited
+            waited = True
             for t in waits:
                 try:
                     t.wait()
@@ -323,8 +325,9 @@ class ExpertCache(ResidentTables):
                         ticket = self._tickets.get(key) or self._submit(key, slot, priority=DEMAND)
                         self.loader.promote(ticket)
                         tickets.append(ticket)
-                for e in absent:
-                    tickets.append(self._submit(ExpertKey(layer, e), int(ls.expert_to_slot[e]), priority=DEMAND))
+                for e in absent:  # the first read runs on this thread (waited next), the others wake I/O threads
+                    tickets.append(self._submit(ExpertKey(layer, e), int(ls.expert_to_slot[e]), priority=DEMAND,
+                                                wake=bool(tickets)))
             t0 = time.perf_counter()
             self._wait_reads(tickets)
             stall_ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0
@@ -336,6 +339,7 @@ class ExpertCache(ResidentTables):
             return slots, CallStats(len(present), len(absent), prefetch_used, len(absent) * self.layouts[layer].expert_bytes,
                                     stall_ms)
         except BaseException:
+            self.loader.wake()  # a read queued for this call to run, which it will not wait for now
             with self._lock:
                 for e in absent if pinned else ():
                     key = ExpertKey(layer, e)

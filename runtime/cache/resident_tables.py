@@ -83,8 +83,8 @@ class ResidentTables:
         try:
             for layer, experts in needs.items():
                 experts = np.asarray(experts, np.int64)
-                for attempt in (0, 1):
-                    self._await_room(layer, experts)  # in-flight prefetches occupying the room finish first
+                unprotected, waits = False, 0
+                while True:
                     with self._lock:
                         ls = self.table.layers[layer]
                         if ls.held:
@@ -94,8 +94,14 @@ class ResidentTables:
                             out[layer] = read
                             self._pin_and_read(layer, experts, read, tickets, reserved, pinned.setdefault(layer, []))
                             break
-                    if attempt == 0 and any(k.layer == layer for k in list(self._protected)):
+                    # Short of room (rare: the room is counted once on the common path). In-flight prefetches
+                    # occupying it finish first; then forecasts pinning it are let go; then there is none.
+                    if waits < 4 and self._await_room(layer, experts):  # bounded: prefetches may keep arriving
+                        waits += 1
+                        continue
+                    if not unprotected and any(k.layer == layer for k in list(self._protected)):
                         self.unprotect(layer)  # the forecasts pin the only room left: the forward is past them
+                        unprotected = True
                         continue
                     raise RuntimeError(
                         f"layer {layer}: no room for experts {read.tolist()} ({ls.usable} usable slots, "
@@ -109,6 +115,7 @@ class ResidentTables:
                         raise RuntimeError(f"layer {layer}: load_absent() left an expert absent")
             return {l: (r, len(r) * self.layouts[l].expert_bytes, ms) for l, r in out.items()}
         except BaseException:
+            self.loader.wake()  # a read queued for this call to run, which it will not wait for now
             with self._lock:
                 for key in reserved:
                     if key not in self._tickets and self.table.state_of(key) == LOADING:
@@ -169,7 +176,8 @@ class ResidentTables:
             self.table.pin(layer, [slot])
             pinned.append(slot)
             reserved.append(key)
-            tickets.append(self._submit(key, slot, priority=DEMAND))
+            # The caller reads the first itself (load_absent waits next); each further one wakes an I/O thread.
+            tickets.append(self._submit(key, slot, priority=DEMAND, wake=bool(tickets)))
 
     def record_forward(self, calls: list) -> list[tuple]:
         """Bookkeeping of one accepted forward, [(layer, unique expert ids, loaded, reads, bytes read, ms
