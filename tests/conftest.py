@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-import sys
+import threading
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from mlx_lm.generate import generate_step
 
 from runtime.checkpoints.tiny import FAMILIES, make_tiny
 from storage.packer import convert
+from storage.reader import RangeReader
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Experts live on disk and the loader fetches them."
 N_TOKENS = 16
@@ -83,3 +84,19 @@ def run_cli(args: list[str]) -> tuple[int, str, str]:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
     return code, out.getvalue(), err.getvalue()
+
+
+class GatedReader(RangeReader):
+    """Holds every read until the test opens `gate`; records the offsets read, in order (loader and cache tests)."""
+
+    def __init__(self):
+        super().__init__("buffered")
+        self.gate = threading.Event()
+        self.order: list[int] = []
+        self.lock = threading.Lock()
+
+    def read(self, path, offset, buffers):
+        self.gate.wait(5)
+        with self.lock:
+            self.order.append(offset)
+        return super().read(path, offset, buffers)

@@ -13,6 +13,7 @@ from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.slot_table import FREE, VALID, SlotTable
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.reader import RangeReader
+from tests.conftest import GatedReader
 
 
 def _fill(table: SlotTable, layer: int, experts):
@@ -121,23 +122,11 @@ def test_one_demand_read_runs_on_the_caller_and_wakes_no_io_thread(packed_dirs):
     loader.close()
 
 
-class _GateReader(RangeReader):
-    """Holds every read until the gate opens."""
-
-    def __init__(self):
-        super().__init__("buffered")
-        self.gate = threading.Event()
-
-    def read(self, path, offset, buffers):
-        self.gate.wait(5)
-        return super().read(path, offset, buffers)
-
-
 def test_load_absent_waits_for_prefetches_holding_the_only_room(packed_dirs):
     """Every slot of a layer is loading for an unprotected prefetch (a warm start): load_absent() waits for
     those reads instead of failing for want of room, then reads its expert over one of them."""
     store = ExpertStore.open(packed_dirs["qwen3_moe"])
-    reader = _GateReader()
+    reader = GatedReader()
     loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
     layer = store.moe_layers[0]
     cache = ExpertCache({layer: store.layout(layer)}, {layer: 2}, loader)

@@ -12,7 +12,7 @@ import pytest
 
 from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.slot_table import VALID
-from tests.conftest import expert_views as _views
+from tests.conftest import GatedReader, expert_views as _views
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.faults import FaultyReader
 from storage.reader import RangeReader
@@ -95,22 +95,12 @@ def test_a_prefetch_being_committed_is_never_read_twice(packed_dirs):
     loader.close()
 
 
-class _GatedReader(RangeReader):
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def read(self, path, offset, buffers):
-        self.gate.wait(5)
-        return super().read(path, offset, buffers)
-
-
 def test_demand_waits_for_unneeded_prefetches_still_in_flight(packed_dirs):
     """Wrong forecasts still loading hold slots nobody may evict; a call that needs every
     slot waits for them instead of failing with 'no evictable slot'."""
     store = ExpertStore.open(packed_dirs["qwen3_moe"])
     layer = store.moe_layers[0]
-    reader = _GatedReader()
+    reader = GatedReader()
     loader = AsyncLoader(store, LoaderConfig(threads=2), reader=reader)
     cache = ExpertCache({layer: store.layout(layer)}, {layer: 4}, loader)
     cache.prefetch([ExpertKey(layer, e) for e in (20, 21, 22, 23)], round_id=1)

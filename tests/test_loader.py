@@ -7,26 +7,10 @@ import time
 
 import pytest
 
-from tests.conftest import expert_views as _views
+from tests.conftest import GatedReader, expert_views as _views
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.loader import DEMAND, PREFETCH
 from storage.reader import RangeReader, drop_page_cache
-
-
-class GatedReader(RangeReader):
-    """Blocks every read until the test opens the gate; records the read order."""
-
-    def __init__(self):
-        super().__init__("buffered")
-        self.gate = threading.Event()
-        self.order: list[int] = []
-        self.lock = threading.Lock()
-
-    def read(self, path, offset, buffers):
-        self.gate.wait(5)
-        with self.lock:
-            self.order.append(offset)
-        return super().read(path, offset, buffers)
 
 
 class FlakyReader(RangeReader):

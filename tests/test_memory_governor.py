@@ -129,20 +129,11 @@ def test_pinned_and_loading_experts_beyond_usable_go_when_released(cache_setup, 
 
 
 def test_a_prefetch_in_flight_beyond_usable_is_dropped_after_it_lands(packed_dirs):
-    import threading
-
-    from storage.reader import RangeReader
-
-    class Gated(RangeReader):
-        gate = threading.Event()
-
-        def read(self, path, offset, buffers):
-            self.gate.wait(5)
-            return super().read(path, offset, buffers)
+    from tests.conftest import GatedReader
 
     store = ExpertStore.open(packed_dirs["qwen3_moe"])
     l = store.moe_layers[0]
-    reader = Gated()
+    reader = GatedReader()
     loader = AsyncLoader(store, LoaderConfig(threads=1), reader=reader)
     cache = ExpertCache({l: store.layout(l)}, {l: 8}, loader, min_usable=2)
     cache.prefetch([ExpertKey(l, e) for e in range(8)], round_id=1)
