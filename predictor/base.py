@@ -20,10 +20,17 @@ class DraftTaps:
 
     residual: list[dict[int, mx.array]] = field(default_factory=list)  # per token: drafter layer -> (D_d,) post-attention residual
     attention: list[dict[int, mx.array]] = field(default_factory=list)  # per token: drafter layer -> (D_d,) attention output
+    # Tokens a forecast may read now (None: all). A pipelined drafter has the next step queued, whose states a
+    # forecast must not wait for (runtime/decode/drafter.py).
+    ready: int | None = None
 
     @property
     def n_tokens(self) -> int:
         return len(self.residual)
+
+    @property
+    def n_ready(self) -> int:
+        return len(self.residual) if self.ready is None else min(self.ready, len(self.residual))
 
 
 @dataclass(frozen=True)

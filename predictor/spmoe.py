@@ -48,7 +48,8 @@ class SpmoePredictor:
         self._round_taps: DraftTaps | None = None  # the taps whose tokens self._probs holds
         self._layers: list[int] = []
         self._probs: list[np.ndarray] = []  # per routed token: (layers, E) router probabilities
-        self._pending: tuple | None = None  # (tokens of the round's taps, their new tokens' probabilities, lazy)
+        self._lazy: list[tuple[int, mx.array]] = []  # prepared, not read yet: (first token, lazy (layers, T, E))
+        self._prepared = 0  # tokens of the round's taps routed (read or lazy)
         self._banks: dict[tuple[int, ...], RouterBank | None] = {}  # stacked routers per layer list
 
     def _start(self, taps: DraftTaps, layers: list[int]) -> tuple[list, list[int]]:
@@ -56,31 +57,40 @@ class SpmoePredictor:
         per_token = taps.residual if self.source == "residual" else taps.attention
         layers = [l for l in layers if l in self.routers]
         if per_token and layers and (self._round_taps is not taps or self._layers != layers):
-            self._round_taps, self._layers, self._probs, self._pending = taps, layers, [], None
+            self._round_taps, self._layers, self._probs, self._lazy, self._prepared = taps, layers, [], [], 0
         return per_token, layers
 
     def prepare(self, taps: DraftTaps, layers: list[int]) -> mx.array | None:
         """The router probabilities of the taps' tokens not routed yet, built lazily: the drafter evaluates
-        them with its own token (one host sync for both), and forecast() then reads them at no sync of its own.
-        None when there is nothing to route."""
+        them with its own token (one host sync for both, or none of their own in a pipelined round), and
+        forecast() then reads them without adding one. None when there is nothing to route."""
         per_token, layers = self._start(taps, layers)
-        new = per_token[len(self._probs):] if per_token and layers else []
+        new = per_token[self._prepared:] if per_token and layers else []
         if not new:
             return None
-        self._pending = (len(per_token), self._route(new, layers))
-        return self._pending[1]
+        lazy = self._route(new, layers)
+        self._lazy.append((self._prepared, lazy))
+        self._prepared = len(per_token)
+        return lazy
 
     def forecast(self, taps: DraftTaps, layers: list[int]) -> ExpertForecast:
         per_token, layers = self._start(taps, layers)
         if not per_token or not layers:
             return ExpertForecast.empty()
-        # Called after every draft step with the round's growing taps: route only the new tokens (prepared
-        # with the drafter's step when the decoder asked for them, see prepare()).
-        new = per_token[len(self._probs):]
-        if new:
-            pending, self._pending = self._pending, None
-            routed = pending[1] if pending is not None and pending[0] == len(per_token) else self._route(new, layers)
+        # Called after every draft step with the round's growing taps: route only the new tokens up to the
+        # taps' ready ones (prepared with the drafter's step when the decoder asked for them, see prepare();
+        # a pipelined drafter's next step, queued already, is not waited for).
+        ready = taps.n_ready
+        while len(self._probs) < ready:
+            at = len(self._probs)
+            if self._lazy and self._lazy[0][0] == at:
+                routed = self._lazy.pop(0)[1]
+            else:  # never prepared: routed now, up to the next prepared token
+                routed = self._route(per_token[at:min([ready] + [s for s, _ in self._lazy[:1]])], layers)
             self._probs += list(np.array(routed).swapaxes(0, 1))  # one host read; per token (layers, E)
+        self._prepared = max(self._prepared, len(self._probs))
+        if not self._probs:
+            return ExpertForecast.empty()
         all_probs = np.stack(self._probs, axis=1)  # (layers, T, E)
         n_layers, _, n_experts = all_probs.shape
         k = min(self.top_k, n_experts)

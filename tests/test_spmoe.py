@@ -35,6 +35,51 @@ def test_incremental_forecast_equals_forecast_from_scratch(tiny_dirs, tmp_path):
         om.close()
 
 
+def test_pipelined_greedy_round_forecasts_each_step_from_its_ready_tokens(tiny_dirs, tmp_path):
+    """A greedy round queues step i+1 before on_step sees step i (mlx-lm's draft loop): each on_step finds the next
+    step built already, and its forecast covers exactly the ready tokens, as a step-by-step loop's would; the
+    proposals are the drafter's own greedy tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from predictor.base import DraftTaps
+
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%"))
+    try:
+        dmodel, _ = load(str(make_tiny(tmp_path / "d", "qwen3", seed=9, layers=TINY["layers"])))
+        dconfig = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": TINY["layers"]}
+        live = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
+        drafter = make_drafter(dmodel, "spmoe", forecast_last=False)
+        prompt = om.tokenizer.encode(PROMPT)
+        drafter.prefill(prompt)
+        seen, steps = [], []
+
+        def on_step(taps):
+            seen.append((taps.n_ready, taps.n_tokens))
+            steps.append(live.forecast(taps, om.moe_layers))
+
+        result = drafter.propose(4, on_step=on_step, on_taps=lambda taps: live.prepare(taps, om.moe_layers))
+        # Steps 1-3 are forecast while the next one is queued; the last once every step is in.
+        assert seen == [(1, 2), (2, 3), (3, 4), (4, 4)]
+        for n, got in zip((1, 2, 3, 4), steps):
+            prefix = DraftTaps(result.taps.residual[:n], result.taps.attention[:n])
+            want = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64).forecast(
+                prefix, om.moe_layers)
+            for layer in om.moe_layers:
+                np.testing.assert_array_equal(got.experts(layer), want.experts(layer))
+        # The proposals are the drafter model's greedy tokens, fed one at a time.
+        cache, tokens, feed = make_prompt_cache(dmodel), [], prompt[-1:]
+        dmodel(mx.array(prompt[:-1])[None], cache=cache)  # as prefill() feeds it
+        for _ in range(4):
+            logits = dmodel(mx.array(feed)[None], cache=cache)[0, -1]
+            tokens.append(int(mx.argmax(logits).item()))
+            feed = [tokens[-1]]
+        assert result.tokens == tokens
+        drafter.taps.remove()
+    finally:
+        om.close()
+
+
 def test_router_bank_matches_the_layer_modules(tmp_path):
     import mlx.core as mx
 

@@ -6,8 +6,16 @@ the taps of the verify window's tokens it fed (all but d_K, unless feed_last als
 feeds d_K within the round); settle(n_accepted, next_token) makes
 the drafter's state match the accepted prefix and queues next_token.
 
-Invariant: after settle(), the drafter's cache holds exactly the accepted context
-except the pending tokens, which propose() feeds first.
+Greedy proposals are pipelined as mlx-lm's own draft loop is: step i+1 is built on step i's
+lazy argmax and queued before the host reads anything of step i, so the drafter's graph
+building and the forecast's host work (on_step for step i, while step i+1 computes) overlap
+its compute; the tokens are read back once, at the end of the round. Sampled proposals draw
+each token on the host (one sync per step).
+
+Invariants: after settle(), the drafter's cache holds exactly the accepted context
+except the pending tokens, which propose() feeds first. on_step(taps) sees taps whose first
+`taps.ready` tokens (all, when None) have their states evaluated or queued ahead of anything
+still being built; the proposals and taps are the same as a step-by-step loop's.
 """
 
 from __future__ import annotations
@@ -57,10 +65,12 @@ class ModelDrafter:
             mx.eval([c.state for c in self.cache])
         self.pending = [ids[-1]]
 
-    def _step(self, tokens: list[int], taps: DraftTaps) -> mx.array:
+    def _step(self, tokens: list[int] | mx.array, taps: DraftTaps) -> mx.array:
+        """Build one drafter forward over `tokens` (ids, or a lazy (1, n) array) and record its taps."""
         if self.taps:
             self.taps.enabled = True
-        logits = self.model(mx.array(tokens)[None], cache=self.cache)[0, -1]
+        inputs = tokens if isinstance(tokens, mx.array) else mx.array(tokens)[None]
+        logits = self.model(inputs, cache=self.cache)[0, -1]
         if self.taps:
             self.taps.enabled = False
             rec = self.taps.take()
@@ -69,38 +79,63 @@ class ModelDrafter:
         return logits
 
     def propose(self, k, *, sampling=None, rng=None, on_step=None, on_taps=None) -> DraftResult:
-        """K proposals: the argmax when `sampling` is None or greedy, else drawn from the drafter's
+        """K proposals: the argmax when `sampling` is None or greedy (pipelined), else drawn from the drafter's
         distribution under the target's sampler settings (q; any q keeps the target's p).
-        on_step(taps) after each step, once its token is drawn; on_taps(taps), before that, may return lazy
-        arrays built on the new taps (a forecast's): they are evaluated with the step's token, one host sync."""
+        on_step(taps) once per step, after its states are queued (a greedy round: after the next step is queued
+        too, with taps.ready naming the steps it may read); on_taps(taps), right after a step is built, may
+        return lazy arrays built on its taps (a forecast's): they are evaluated with the step's token."""
+        if sampling is None or sampling.greedy:
+            return self._propose_greedy(k, on_step, on_taps)
         taps, tokens, qs = DraftTaps(), [], []
         feed = self.pending
         for _ in range(k):
             logits = self._step(feed, taps)
             extra = on_taps(taps) if on_taps else None
-            if sampling is not None and not sampling.greedy:
-                probs = sampling.probabilities(logits)
-                mx.eval(probs, [] if extra is None else extra)
-                q = np.array(probs, np.float64)
-                token = sample(q, rng)
-                qs.append(q)
-            else:
-                best = mx.argmax(logits)
-                mx.eval(best, [] if extra is None else extra)
-                token = int(best.item())
+            probs = sampling.probabilities(logits)
+            mx.eval(probs, [] if extra is None else extra)  # one host sync a step: the token is drawn here
+            q = np.array(probs, np.float64)
+            qs.append(q)
+            tokens.append(sample(q, rng))
             if on_step:
                 on_step(taps)
-            tokens.append(token)
-            feed = [token]
-        self._fed_last = self.feed_last
+            feed = [tokens[-1]]
         if self.feed_last:
             self._step(feed, taps)
             if on_step:
                 on_step(taps)
+        return self._proposed(k, tokens, np.stack(qs) if qs else None, taps)
+
+    def _propose_greedy(self, k, on_step, on_taps) -> DraftResult:
+        """K argmax proposals, pipelined (the module docstring): each step is queued on the previous one's lazy
+        token, then the host runs on_step for the step before it; one read of the tokens at the end."""
+        taps, best = DraftTaps(), []
+        feed: list[int] | mx.array = self.pending
+        for i in range(k):
+            logits = self._step(feed, taps)
+            extra = on_taps(taps) if on_taps else None
+            best.append(mx.argmax(logits))
+            mx.async_eval(best[-1], [] if extra is None else extra)
+            if on_step and i:
+                taps.ready = i  # step i is queued behind the states on_step may read
+                on_step(taps)
+            feed = best[-1].reshape(1, 1)
+        if self.feed_last:  # d_K's states: queued before the host forecasts the drafts before it
+            logits = self._step(feed, taps)
+            mx.async_eval(taps.residual[-1:], taps.attention[-1:], [] if self.taps else logits)
+            if on_step:
+                taps.ready = k
+                on_step(taps)
+        taps.ready = None
+        if on_step:
+            on_step(taps)
+        return self._proposed(k, mx.stack(best).tolist(), None, taps)  # the round's one read of its tokens
+
+    def _proposed(self, k: int, tokens: list[int], q: np.ndarray | None, taps: DraftTaps) -> DraftResult:
+        self._fed_last = self.feed_last
         self._k = k
         self._last_draft = tokens[-1]
         self.pending = []
-        return DraftResult(tokens, np.stack(qs) if qs else None, taps)
+        return DraftResult(tokens, q, taps)
 
     def skip(self, token: int) -> None:
         """A round without drafting (K = 0) emitted `token`: queue it; the next propose()
