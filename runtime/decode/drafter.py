@@ -6,11 +6,13 @@ the taps of the verify window's tokens it fed (all but d_K, unless feed_last als
 feeds d_K within the round); settle(n_accepted, next_token) makes
 the drafter's state match the accepted prefix and queues next_token.
 
-Greedy proposals are pipelined as mlx-lm's own draft loop is: step i+1 is built on step i's
-lazy argmax and queued before the host reads anything of step i, so the drafter's graph
-building and the forecast's host work (on_step for step i, while step i+1 computes) overlap
-its compute; the tokens are read back once, at the end of the round. Sampled proposals draw
-each token on the host (one sync per step).
+Proposals are pipelined as mlx-lm's own draft loop is: step i+1 is built on step i's lazy
+token and queued before the host reads anything of step i, so the drafter's graph building and
+the forecast's host work (on_step for step i, while step i+1 computes) overlap its compute; the
+tokens (and a sampled round's distributions q) are read back once, at the end of the round. A
+greedy token is the argmax; a sampled one is drawn on the device by inverting q's cumulative sum
+at a uniform the host draws from the decoder's generator, one per step in step order (as a draw
+on the host would), so a seed still fixes the round.
 
 Invariants: after settle(), the drafter's cache holds exactly the accepted context
 except the pending tokens, which propose() feeds first. on_step(taps) sees taps whose first
@@ -28,7 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from predictor.base import DraftTaps
-from runtime.decode.sampling import Sampling, sample
+from runtime.decode.sampling import Sampling
 from runtime.decode.taps import HiddenTaps
 
 
@@ -46,6 +48,13 @@ class Drafter(Protocol):
                 on_taps: Callable[[DraftTaps], object] | None = None) -> DraftResult: ...
     def settle(self, n_accepted: int, next_token: int) -> None: ...
     def skip(self, token: int) -> None: ...
+
+
+def draw(q: mx.array, u: float) -> mx.array:
+    """The token a uniform u in [0, 1) selects from the distribution q (V,), on the device: the first index whose
+    cumulative probability exceeds u times the total (runtime/decode/sampling.py's sample(), in float32)."""
+    c = mx.cumsum(q.astype(mx.float32))
+    return mx.minimum((c <= u * c[-1]).astype(mx.uint32).sum(), q.shape[-1] - 1)
 
 
 class ModelDrafter:
@@ -79,41 +88,24 @@ class ModelDrafter:
         return logits
 
     def propose(self, k, *, sampling=None, rng=None, on_step=None, on_taps=None) -> DraftResult:
-        """K proposals: the argmax when `sampling` is None or greedy (pipelined), else drawn from the drafter's
-        distribution under the target's sampler settings (q; any q keeps the target's p).
-        on_step(taps) once per step, after its states are queued (a greedy round: after the next step is queued
-        too, with taps.ready naming the steps it may read); on_taps(taps), right after a step is built, may
-        return lazy arrays built on its taps (a forecast's): they are evaluated with the step's token."""
-        if sampling is None or sampling.greedy:
-            return self._propose_greedy(k, on_step, on_taps)
-        taps, tokens, qs = DraftTaps(), [], []
-        feed = self.pending
-        for _ in range(k):
-            logits = self._step(feed, taps)
-            extra = on_taps(taps) if on_taps else None
-            probs = sampling.probabilities(logits)
-            mx.eval(probs, [] if extra is None else extra)  # one host sync a step: the token is drawn here
-            q = np.array(probs, np.float64)
-            qs.append(q)
-            tokens.append(sample(q, rng))
-            if on_step:
-                on_step(taps)
-            feed = [tokens[-1]]
-        if self.feed_last:
-            self._step(feed, taps)
-            if on_step:
-                on_step(taps)
-        return self._proposed(k, tokens, np.stack(qs) if qs else None, taps)
-
-    def _propose_greedy(self, k, on_step, on_taps) -> DraftResult:
-        """K argmax proposals, pipelined (the module docstring): each step is queued on the previous one's lazy
-        token, then the host runs on_step for the step before it; one read of the tokens at the end."""
-        taps, best = DraftTaps(), []
+        """K proposals: the argmax when `sampling` is None or greedy, else drawn from the drafter's distribution
+        under the target's sampler settings (q; any q keeps the target's p), with uniforms from `rng`.
+        on_step(taps) once per step, after the next step is queued too (taps.ready names the steps it may read);
+        on_taps(taps), right after a step is built, may return lazy arrays built on its taps (a forecast's): they
+        are evaluated with the step's token."""
+        greedy = sampling is None or sampling.greedy
+        if not greedy and rng is None:
+            raise ValueError("a sampled proposal needs the decoder's random generator (rng)")
+        taps, best, qs = DraftTaps(), [], []
         feed: list[int] | mx.array = self.pending
-        for i in range(k):
+        for i in range(k):  # pipelined (the module docstring): one read of the round's tokens, at its end
             logits = self._step(feed, taps)
             extra = on_taps(taps) if on_taps else None
-            best.append(mx.argmax(logits))
+            if greedy:
+                best.append(mx.argmax(logits))
+            else:
+                qs.append(sampling.probabilities(logits))
+                best.append(draw(qs[-1], rng.random()))
             mx.async_eval(best[-1], [] if extra is None else extra)
             if on_step and i:
                 taps.ready = i  # step i is queued behind the states on_step may read
@@ -128,14 +120,12 @@ class ModelDrafter:
         taps.ready = None
         if on_step:
             on_step(taps)
-        return self._proposed(k, mx.stack(best).tolist(), None, taps)  # the round's one read of its tokens
-
-    def _proposed(self, k: int, tokens: list[int], q: np.ndarray | None, taps: DraftTaps) -> DraftResult:
+        tokens = mx.stack(best).tolist()  # the round's one read of its tokens
         self._fed_last = self.feed_last
         self._k = k
         self._last_draft = tokens[-1]
         self.pending = []
-        return DraftResult(tokens, q, taps)
+        return DraftResult(tokens, np.array(mx.stack(qs), np.float64) if qs else None, taps)
 
     def skip(self, token: int) -> None:
         """A round without drafting (K = 0) emitted `token`: queue it; the next propose()
