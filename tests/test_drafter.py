@@ -7,7 +7,7 @@ import numpy as np
 from mlx_lm import load
 
 from runtime.checkpoints.tiny import make_tiny
-from runtime.decode.drafter import draw
+from runtime.decode.drafter import draw, drawn_from
 from runtime.decode.pairing import make_drafter
 from runtime.decode.sampling import Sampling, sample
 from tests.conftest import TINY
@@ -18,7 +18,7 @@ def test_the_device_draw_takes_the_token_the_host_sample_takes():
     drawn, the first token at u = 0, the last at u -> 1); a draw off by one token fails."""
     # Exact in float32: a zero-probability token at or after a boundary is skipped, as searchsorted(side="right").
     for q, u, token in (([0, 0.5, 0, 0.5], 0.0, 1), ([0, 0.5, 0, 0.5], 0.5, 3), ([0.25] * 4, 1 - 1e-7, 3)):
-        assert int(draw(mx.array(q, mx.float32), u).item()) == token == sample(np.array(q), _Fixed(u))
+        assert int(draw(mx.cumsum(mx.array(q, mx.float32)), u).item()) == token == sample(np.array(q), _Fixed(u))
     rng = np.random.default_rng(0)
     for V in (2, 7, 4096):
         for _ in range(40):
@@ -31,9 +31,13 @@ def test_the_device_draw_takes_the_token_the_host_sample_takes():
             for u in (0.0, rng.random(), rng.random(), 1.0 - 1e-9):
                 if np.min(np.abs(c - u * c[-1])) < 1e-5:
                     continue  # within float32 rounding of a boundary: either neighbour is right
-                got = int(draw(mx.array(q), u).item())
+                cumulative = mx.cumsum(mx.array(q))
+                got = int(draw(cumulative, u).item())
                 assert got == sample(q.astype(np.float64), _Fixed(u)), (V, u)
                 assert q[got] > 0
+                used = drawn_from(np.array(cumulative))  # what acceptance is given: q itself, to float32 rounding
+                np.testing.assert_allclose(used, q, atol=1e-6)
+                assert (used[q == 0] == 0).all()
 
 
 class _Fixed:

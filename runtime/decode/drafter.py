@@ -50,11 +50,18 @@ class Drafter(Protocol):
     def skip(self, token: int) -> None: ...
 
 
-def draw(q: mx.array, u: float) -> mx.array:
-    """The token a uniform u in [0, 1) selects from the distribution q (V,), on the device: the first index whose
-    cumulative probability exceeds u times the total (runtime/decode/sampling.py's sample(), in float32)."""
-    c = mx.cumsum(q.astype(mx.float32))
-    return mx.minimum((c <= u * c[-1]).astype(mx.uint32).sum(), q.shape[-1] - 1)
+def draw(cumulative: mx.array, u: float) -> mx.array:
+    """The token a uniform u in [0, 1) selects from a distribution given by its cumulative sum (V,), on the device:
+    the first index whose cumulative probability exceeds u times the total (runtime/decode/sampling.py's sample())."""
+    return mx.minimum((cumulative <= u * cumulative[-1]).astype(mx.uint32).sum(), cumulative.shape[-1] - 1)
+
+
+def drawn_from(cumulative: np.ndarray) -> np.ndarray:
+    """The distributions (..., V) that draw() samples exactly: the steps of the (float32) cumulative sums it
+    inverted, normalized. Acceptance must use these: rejection sampling keeps the target's p for any q, provided
+    the drafts were drawn from that q (a float32 cumulative sum moves each step by ~1e-7)."""
+    c = cumulative.astype(np.float64)
+    return np.diff(c, axis=-1, prepend=0.0) / c[..., -1:]
 
 
 class ModelDrafter:
@@ -104,7 +111,7 @@ class ModelDrafter:
             if greedy:
                 best.append(mx.argmax(logits))
             else:
-                qs.append(sampling.probabilities(logits))
+                qs.append(mx.cumsum(sampling.probabilities(logits).astype(mx.float32), axis=-1))
                 best.append(draw(qs[-1], rng.random()))
             mx.async_eval(best[-1], [] if extra is None else extra)
             if on_step and i:
@@ -125,7 +132,7 @@ class ModelDrafter:
         self._k = k
         self._last_draft = tokens[-1]
         self.pending = []
-        return DraftResult(tokens, np.array(mx.stack(qs), np.float64) if qs else None, taps)
+        return DraftResult(tokens, drawn_from(np.array(mx.stack(qs))) if qs else None, taps)
 
     def skip(self, token: int) -> None:
         """A round without drafting (K = 0) emitted `token`: queue it; the next propose()
