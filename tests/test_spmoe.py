@@ -11,12 +11,22 @@ from runtime.checkpoints.tiny import make_tiny
 from tests.conftest import PROMPT, TINY
 
 
+def _pair(tiny_dirs, tmp_path):
+    """The tiny qwen3_moe target at 50%, a dense qwen3 drafter of its width, and the drafter's config."""
+    dmodel, _ = load(str(make_tiny(tmp_path / "d", "qwen3", seed=9, layers=TINY["layers"])))
+    dconfig = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": TINY["layers"]}
+    return OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%")), dmodel, dconfig
+
+
+def _spmoe(om, dmodel, dconfig):
+    """spmoe taking 2k experts per window token, up to 64 a layer: a fresh predictor (no round seen)."""
+    return build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
+
+
 def test_incremental_forecast_equals_forecast_from_scratch(tiny_dirs, tmp_path):
-    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%"))
+    om, dmodel, dconfig = _pair(tiny_dirs, tmp_path)
     try:
-        dmodel, _ = load(str(make_tiny(tmp_path / "d", "qwen3", seed=9, layers=TINY["layers"])))
-        dconfig = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": TINY["layers"]}
-        live = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
+        live = _spmoe(om, dmodel, dconfig)
         drafter = make_drafter(dmodel, "spmoe", forecast_last=True)
         drafter.prefill(om.tokenizer.encode(PROMPT))
         for _ in range(2):  # two rounds: the predictor must start afresh with each round's taps
@@ -24,7 +34,7 @@ def test_incremental_forecast_equals_forecast_from_scratch(tiny_dirs, tmp_path):
             result = drafter.propose(3, on_step=lambda taps: steps.append(live.forecast(taps, om.moe_layers)))
             drafter.settle(1, result.tokens[1])
             assert len(steps) == 4  # 3 drafts + the last draft fed for its taps
-            fresh = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
+            fresh = _spmoe(om, dmodel, dconfig)
             whole = fresh.forecast(result.taps, om.moe_layers)
             for layer in om.moe_layers:
                 np.testing.assert_array_equal(steps[-1].experts(layer), whole.experts(layer))
@@ -44,11 +54,9 @@ def test_pipelined_greedy_round_forecasts_each_step_from_its_ready_tokens(tiny_d
 
     from predictor.base import DraftTaps
 
-    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%"))
+    om, dmodel, dconfig = _pair(tiny_dirs, tmp_path)
     try:
-        dmodel, _ = load(str(make_tiny(tmp_path / "d", "qwen3", seed=9, layers=TINY["layers"])))
-        dconfig = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": TINY["layers"]}
-        live = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64)
+        live = _spmoe(om, dmodel, dconfig)
         drafter = make_drafter(dmodel, "spmoe", forecast_last=False)
         prompt = om.tokenizer.encode(PROMPT)
         drafter.prefill(prompt)
@@ -63,8 +71,7 @@ def test_pipelined_greedy_round_forecasts_each_step_from_its_ready_tokens(tiny_d
         assert seen == [(1, 2), (2, 3), (3, 4), (4, 4)]
         for n, got in zip((1, 2, 3, 4), steps):
             prefix = DraftTaps(result.taps.residual[:n], result.taps.attention[:n])
-            want = build_predictor("spmoe", om, dmodel, dconfig, forecast_k=2 * om.top_k, limit=64).forecast(
-                prefix, om.moe_layers)
+            want = _spmoe(om, dmodel, dconfig).forecast(prefix, om.moe_layers)
             for layer in om.moe_layers:
                 np.testing.assert_array_equal(got.experts(layer), want.experts(layer))
         # The proposals are the drafter model's greedy tokens, fed one at a time.
