@@ -62,8 +62,8 @@ class SpmoePredictor:
 
     def prepare(self, taps: DraftTaps, layers: list[int]) -> mx.array | None:
         """The router probabilities of the taps' tokens not routed yet, built lazily: the drafter evaluates
-        them with its own token (one host sync for both, or none of their own in a pipelined round), and
-        forecast() then reads them without adding one. None when there is nothing to route."""
+        them with its own step (queued together: runtime/decode/drafter.py), and forecast() then reads them
+        without a host sync of its own. None when there is nothing to route."""
         per_token, layers = self._start(taps, layers)
         new = per_token[self._prepared:] if per_token and layers else []
         if not new:
