@@ -111,7 +111,7 @@ class ModelDrafter:
             if greedy:
                 best.append(mx.argmax(logits))
             else:
-                qs.append(mx.cumsum(sampling.probabilities(logits).astype(mx.float32), axis=-1))
+                qs.append(mx.cumsum(sampling.probabilities(logits), axis=-1))  # float32: probabilities() casts
                 best.append(draw(qs[-1], rng.random()))
             mx.async_eval(best[-1], [] if extra is None else extra)
             if on_step and i:
