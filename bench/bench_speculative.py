@@ -49,8 +49,9 @@ VARIANTS = ["no-spec", "none", "previous", "spmoe", "oracle"]
 def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, args) -> dict:
     """One prompt, one variant, from an empty cache: raw counts of the run."""
     inject = f"slow:ms={args.emulate_read_ms}" if args.emulate_read_ms else ""
+    ahead, variant = "+ahead" in variant, variant.replace("+ahead", "")  # +ahead: routed layers prefetch ahead
     om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=args.io_mode, threads=args.threads,
-                                                   inject=inject))
+                                                   inject=inject, route_ahead="on" if ahead else "off"))
     try:
         ids = list(om.tokenizer.encode(prompt))
         cpu0 = time.process_time()  # this process's CPU time, loader threads included; less moved by other tenants than wall time
@@ -149,7 +150,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
                     + "; a predictor may carry its experts per window token: spmoe@6 (else --forecast-k), +last: "
                     "the drafter also feeds its last draft within the round for the forecast of the window's last token "
-                    "(runtime/decode/pairing.py), and /off: verify windows never routed (runtime/decode/route_sync.py), "
+                    "(runtime/decode/pairing.py), +ahead: the target's routed layers prefetch the next two layers' "
+                    "forecast experts (route-ahead on, runtime/decode/route_ahead.py; no-spec+ahead is then its "
+                    "baseline), and /off: verify windows never routed (runtime/decode/route_sync.py), "
                     "e.g. spmoe+last/off")
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
@@ -173,8 +176,10 @@ def main() -> None:
                 order = random.Random(rep * 1000 + i).sample(variants, len(variants))  # no variant always runs first
                 for variant in order:  # back to back on one prompt: drift hits all variants alike
                     runs[variant].append(run_once(target, draft, variant, budget, prompt, args))
-        for variant in variants:
-            results[f"{budget} {variant}"] = summarise(runs[variant], runs.get("no-spec"))
+        for variant in variants:  # a +ahead variant against no-spec+ahead when it ran: the same loader work in both
+            ahead_base = "+ahead" in variant and variant != "no-spec+ahead" and "no-spec+ahead" in runs
+            base = runs["no-spec+ahead"] if ahead_base else runs.get("no-spec")
+            results[f"{budget} {variant}"] = summarise(runs[variant], base)
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(prompts)} prompts, "
           f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}, {args.repeats} pass(es); "
           "tok/s: median over runs; vs no-spec: median [min-max] of per-prompt ratios (verdict: faster/slower only "

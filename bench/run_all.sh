@@ -89,6 +89,7 @@ run tune_lookahead bash -c 'for io in direct buffered; do d=$(mktemp -d); cp -r 
 run hotpath python bench/bench_hotpath.py --batches 30
 # routed forwards that prefetch the next layers at their route syncs, off vs on (+1/+2 ms per read: emulated)
 run route_ahead python bench/bench_route_ahead.py --repeats 2
+run speculative_route_ahead python bench/bench_speculative.py --emulate-read-ms 2 --variants no-spec,spmoe,no-spec+ahead,spmoe+ahead --budgets 50%,25% --repeats 3
 run decode python bench/bench_decode.py
 run decode_embedded python bench/bench_decode.py --model "$TARGET" --budgets 100%,50%,25% --trials 5
 run decode_embedded_one_sync_off python bench/bench_decode.py --model "$TARGET" --budgets 100% --trials 5 --one-sync off
