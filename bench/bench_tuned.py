@@ -5,7 +5,10 @@ drift, so we re-measure in one run every setting recorded in tuning.json plus
 the setting `generate` resolves by default (flags absent -> tuning.json), on the
 same prompts, interleaved (a fresh order per trial), and report each as the median
 [min-max] of its per-trial ratios to the tuned one. The claim holds when no measured
-setting beats the tuned one in every trial (a range that lies above 1).
+setting beats the tuned one in every trial (a range that lies above 1) beyond chance: with N settings
+and T trials, one that does not differ lands above 1 in every trial with chance 0.5^T, and at least one
+of the N does so with chance 1 - (1 - 0.5^T)^N (runtime/tune/sign_test.py). A verdict counts only when that
+chance is at most 5%; else the row says "within chance". Ten settings need 8 trials.
 Prints a table and ends with one JSON line.
 """
 
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runtime.tune.sign_test import ALPHA, chance_of_a_verdict, trials_needed  # noqa: E402
 from runtime.checkpoints import embedded_pair  # noqa: E402
 from runtime.observe import read_prompts  # noqa: E402
 from runtime.tune import SettingRunner, Workload  # noqa: E402
@@ -34,7 +38,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--budget", default="50%")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=8,
+                    help="interleaved trials (default 8: with ten settings, fewer cannot name a winner beyond chance)")
     ap.add_argument("--io-mode", default="buffered", choices=["buffered", "direct"])
     ap.add_argument("--noise", type=float, default=0.0,
                     help="margin a setting must clear in every trial to count as faster (default 0: faster in every "
@@ -69,6 +74,9 @@ def main() -> None:
           f"tok/s: median [min-max]; vs tuned: median [min-max] of per-trial ratios; load average "
           f"{load0[0]:.1f} before, {load1[0]:.1f} after")
     print(f"{'setting':<48}{'tok/s [min-max]':>22}{'vs tuned [min-max]':>22}{'misses/tok':>11}  verdict")
+    chance = chance_of_a_verdict(max(1, len(settings) - 1), args.trials)
+    counts = chance <= ALPHA  # a setting on one side in every trial is a verdict only if luck alone rarely makes one
+    luck = f"within chance ({chance:.0%} with {len(settings) - 1} settings x {args.trials} trials)"
     rows = []
     for s in settings:
         tps = statistics.median(samples[s])
@@ -77,9 +85,9 @@ def main() -> None:
         if s == tuned:
             verdict = "-"
         elif lo > 1 + args.noise:
-            verdict = "FASTER than tuned in every trial"
+            verdict = "FASTER than tuned in every trial" if counts else f"faster in every trial, {luck}"
         elif hi < 1:
-            verdict = "slower in every trial"
+            verdict = "slower in every trial" if counts else f"slower in every trial, {luck}"
         else:
             verdict = "within the noise"
         la = f" la={s.lookahead}x{s.lookahead_experts or 'k'}" if s.lookahead else ""
@@ -94,9 +102,12 @@ def main() -> None:
     beaten = [r["setting"] for r in rows if r["verdict"].startswith("FASTER")]
     holds = not beaten
     print(f"tuned is {'no slower than every setting outside the noise' if holds else 'SLOWER than ' + ', '.join(beaten)} "
-          f"(a setting counts as faster only if it beat the tuned one in every one of {args.trials} trials)")
+          f"(a setting counts as faster only if it beat the tuned one in every one of {args.trials} trials, and "
+          f"{len(settings) - 1} settings that do not differ would give such a verdict by chance {chance:.1%} of the time: "
+          f"{'under' if counts else 'over'} {ALPHA:.0%}; {trials_needed(max(1, len(settings) - 1))} trials get under it)")
     print(json.dumps({"bench": "tuned", "budget": args.budget, "trials": args.trials, "load_avg": [load0, load1],
-                      "rows": rows, "holds": holds}))
+                      "chance_of_a_verdict": chance, "verdicts_count": counts,
+                      "trials_needed": trials_needed(max(1, len(settings) - 1)), "rows": rows, "holds": holds}))
 
 if __name__ == "__main__":
     main()

@@ -83,7 +83,7 @@ if [[ -z $CHECK$LIST ]] && { wanted tune || wanted tuned; }; then
   TUNED="$TUNED_DIR/target"; [[ -d $TUNED ]] || cp -r "$TARGET" "$TUNED"
 else TUNED="$TARGET"; fi
 run tune specmoe tune -m "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --json "$OUT/tune.json"
-run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 3 --io-mode direct
+run tuned python bench/bench_tuned.py --model "$TUNED" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --trials 8 --io-mode direct
 # the tuner's lookahead stage, end to end on fresh copies: direct reads (O_DIRECT, ms per expert) and page-cache reads
 run tune_lookahead bash -c 'for io in direct buffered; do d=$(mktemp -d); cp -r "$0" "$d/target"; echo "== specmoe tune --io-mode $io --budget 25% (a fresh copy of the target)"; specmoe tune -m "$d/target" --draft "$1" --prompts bench/prompts.txt --budget 25% --io-mode $io || exit 1; echo "== specmoe generate with the tuned settings"; specmoe generate -m "$d/target" --draft "$1" --budget 25% -p "The king said" -n 16 2>&1 | grep -i "tuned\|lookahead" | cut -c1-200; done' "$TARGET" "$DRAFT"
 run hotpath python bench/bench_hotpath.py --batches 30

@@ -11,10 +11,11 @@ Stages (each measured on the same prompts with fresh caches):
     (runtime/decode/route_ahead.py; kept only if measurably faster, as 5b);
 5d. a wider spmoe forecast: 2k experts per window token instead of k (more of the window's experts
     prefetched, more bytes read and evicted; kept only if measurably faster, as 5b);
-6. the three fastest settings and the baseline (prefetch off) measured twice more, interleaved
-   (their median counts, their min-max is the noise band tuner.choose() compares): whether
-   prefetch pays is decided on repeated passes of both sides, never on one pass of the baseline.
-tuner.choose() picks from everything measured and names a winner only outside the noise.
+6. the three fastest settings and the simplest (the baseline, prefetch off) in interleaved rounds, a fresh
+   order each, as many as a sign test needs to name a winner among three beyond chance (6 rounds:
+   runtime/tune/sign_test.py). tuner.choose() picks the finalists' leader on the way (pass ranges);
+   tuner.choose_paired() has the final say: a finalist replaces the baseline only if it was faster in
+   every round, else the baseline stays. The table shows each setting's median over all its passes.
 At a budget that holds every expert nothing is read after the prompt, so prefetch
 does not apply: stages 2 and 4 are skipped and the report says so.
 """
@@ -22,6 +23,7 @@ does not apply: stages 2 and 4 are skipped and the report says so.
 from __future__ import annotations
 
 from dataclasses import asdict, replace
+import random
 from pathlib import Path
 
 from predictor.projection import config_digest
@@ -31,8 +33,10 @@ from runtime.observe import console, err_console, progress_bar, write_json
 from runtime.observe import uniform_unique_experts
 from runtime.tune.measure import SettingRunner, Workload
 from runtime.tune.tuner import (
-    Setting, analytic_cutoff_bound, choose, cutoff_grid, median_measurement, refine, save_tuning, tuning_key,
+    Setting, analytic_cutoff_bound, choose, choose_paired, cutoff_grid, median_measurement, refine, save_tuning,
+    tuning_key,
 )
+from runtime.tune.sign_test import trials_needed
 
 
 def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens: int, io_mode: str, threads: int,
@@ -95,19 +99,23 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         best = choose(measured).setting
         if best.cutoff and best.predictor == "spmoe" and not holds_all:  # does a wider forecast pay its reads?
             run(replace(best, forecast_experts=min(2 * k, n_experts)))
-        # One pass per setting is noisy on a shared machine: measure the finalists again, interleaved,
-        # and decide on the median of all their passes.
+        # One pass per setting is noisy on a shared machine: the finalists (the fastest three and the simplest) run
+        # again in interleaved rounds, a fresh order each, and a sign test on the rounds decides (choose_paired).
         finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]
         baseline = min((m.setting for m in measured), key=lambda s: s.simplicity())
         finalists += [baseline] if baseline not in finalists else []
         passes = {s: [m for m in measured if m.setting == s] for s in finalists}
-        for _ in range(2):
-            for s in finalists:
+        rounds = {s: [] for s in finalists}
+        order = random.Random(0)
+        for _ in range(trials_needed(max(1, len(finalists) - 1))):
+            for s in order.sample(finalists, len(finalists)):
                 bar.update(task, description=f"re-measuring L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
-                passes[s].append(runner.measure(s)[0])
+                m = runner.measure(s)[0]
+                passes[s].append(m)
+                rounds[s].append(m.tokens_per_s)
         for s, ms in passes.items():
             measured = [m for m in measured if m.setting != s] + [median_measurement(ms)]
-    choice = choose(measured)
+    choice = choose_paired(rounds, baseline, {m.setting: m for m in measured})
     if holds_all:
         choice = type(choice)(choice.setting, choice.measurement,
                               choice.reason + "; prefetch does not apply: the budget holds every expert")

@@ -12,6 +12,11 @@
   median, or whose median lies in the best one's band, counts as a tie, and among ties the simplest wins (prefetch off, then the
   smallest cutoff, then the fewest draft tokens) — so a flat or noisy curve picks
   "off", and the reason says it was a tie.
+- choose_paired(): the final say, on interleaved rounds (every finalist once per round, a fresh order): a
+  finalist replaces the simplest one (the baseline) only if it was faster in every round (a sign test) and
+  luck alone would give the finalists such a winner at most ALPHA of the time (runtime/tune/sign_test.py).
+  Pass ranges of separately timed passes let a setting slower than the baseline win (round 2's twelfth stop:
+  bench/results/tuned.txt); paired rounds do not.
 - Tuning files: tuning.json next to the model/store holds entries keyed by model
   digest, drafter digest, budget and machine; lookups ignore foreign or stale
   entries and say why.
@@ -28,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from runtime.cache import DEFAULT_POLICY
+from runtime.tune.sign_test import ALPHA, chance_of_a_verdict
 
 TUNING_FILE = "tuning.json"
 TUNING_VERSION = 1
@@ -122,6 +128,37 @@ def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
     if pick.setting.cutoff == 0 and pick.setting.lookahead == 0:
         reason += "; prefetch does not pay here"
     return Choice(pick.setting, pick, reason)
+
+
+def choose_paired(rounds: dict[Setting, list[float]], baseline: Setting, measured: dict[Setting, Measurement],
+                  alpha: float = ALPHA) -> Choice:
+    """The finalists' interleaved rounds (tok/s per round, every finalist once per round) -> the finalist faster than
+    `baseline` in every round with the highest median ratio, if luck alone gives such a winner at most `alpha` of the
+    time; else the baseline. `measured` holds each finalist's measurement (all its passes) for the report."""
+    n = len(rounds[baseline])
+    if n < 1 or any(len(v) != n for v in rounds.values()):
+        raise ValueError("choose_paired needs the same number (>= 1) of rounds for every finalist")
+    others = [s for s in rounds if s != baseline]
+    if not others:
+        return Choice(baseline, measured[baseline], "the only finalist")
+    ratios = {s: [a / b for a, b in zip(rounds[s], rounds[baseline])] for s in others}
+    chance = chance_of_a_verdict(len(others), n)
+    always = [s for s in others if min(ratios[s]) > 1]
+    how = (f"{n} interleaved rounds of {len(rounds)} finalists; {len(others)} compared with the simplest, a winner by "
+           f"luck alone {chance:.1%} of the time")
+    if always and chance <= alpha:
+        best = max(always, key=lambda s: statistics.median(ratios[s]))
+        r = ratios[best]
+        reason = (f"faster than the simplest finalist in every round: {statistics.median(r):.2f}x "
+                  f"[{min(r):.2f}-{max(r):.2f}] ({how})")
+        pick = best
+    else:
+        lucky = f"; faster in every round but within chance: {', '.join(map(str, always))}" if always else ""
+        reason = f"no finalist beat the simplest one in every round beyond chance ({how}){lucky}"
+        pick = baseline
+    if pick.cutoff == 0 and pick.lookahead == 0 and not pick.route_ahead:
+        reason += "; prefetch does not pay here"
+    return Choice(pick, measured[pick], reason)
 
 
 def _widened(m: Measurement, rel: float) -> Measurement:
