@@ -249,3 +249,4 @@ def test_choose_paired_keeps_the_simplest_unless_a_finalist_wins_every_round_bey
     assert c.setting == base
     with pytest.raises(ValueError, match="same number"):
         choose_paired({base: [1.0, 2.0], fast: [1.0]}, base, measured)
+    assert choose_paired({base: []}, base, measured).setting == base  # the only finalist: nothing to compare

@@ -107,7 +107,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         passes = {s: [m for m in measured if m.setting == s] for s in finalists}
         rounds = {s: [] for s in finalists}
         order = random.Random(0)
-        for _ in range(trials_needed(max(1, len(finalists) - 1))):
+        for _ in range(trials_needed(len(finalists) - 1) if len(finalists) > 1 else 0):
             for s in order.sample(finalists, len(finalists)):
                 bar.update(task, description=f"re-measuring L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
                 m = runner.measure(s)[0]

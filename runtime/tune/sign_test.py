@@ -4,7 +4,8 @@ A bench that compares N settings with a reference over T interleaved trials call
 slower) when its per-trial ratio lies on one side of 1 in every trial: a sign test. With no real
 difference a setting lands on one side in all T trials with chance 0.5 ** T, and at least one of N
 settings does so with chance 1 - (1 - 0.5 ** T) ** N. Ten settings over three trials give one such
-"winner" 74% of the time, so a bench reports that chance and counts a verdict only below `alpha`.
+"winner" 74% of the time, so a bench (and the tuner's final say) reports that chance and counts a
+verdict only below `alpha`.
 
 Invariant: the chance treats trials as independent fair coin flips (no difference, no ties); it is the
 chance for one side (faster, or slower), not for either.

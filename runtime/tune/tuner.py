@@ -16,7 +16,7 @@
   finalist replaces the simplest one (the baseline) only if it was faster in every round (a sign test) and
   luck alone would give the finalists such a winner at most ALPHA of the time (runtime/tune/sign_test.py).
   Pass ranges of separately timed passes let a setting slower than the baseline win (round 2's twelfth stop:
-  bench/results/tuned.txt); paired rounds do not.
+  bench_tuned.py, 8 trials, found such a pick slower than three simpler settings; README, "specmoe tune").
 - Tuning files: tuning.json next to the model/store holds entries keyed by model
   digest, drafter digest, budget and machine; lookups ignore foreign or stale
   entries and say why.
@@ -135,12 +135,12 @@ def choose_paired(rounds: dict[Setting, list[float]], baseline: Setting, measure
     """The finalists' interleaved rounds (tok/s per round, every finalist once per round) -> the finalist faster than
     `baseline` in every round with the highest median ratio, if luck alone gives such a winner at most `alpha` of the
     time; else the baseline. `measured` holds each finalist's measurement (all its passes) for the report."""
-    n = len(rounds[baseline])
-    if n < 1 or any(len(v) != n for v in rounds.values()):
-        raise ValueError("choose_paired needs the same number (>= 1) of rounds for every finalist")
     others = [s for s in rounds if s != baseline]
     if not others:
         return Choice(baseline, measured[baseline], "the only finalist")
+    n = len(rounds[baseline])
+    if n < 1 or any(len(v) != n for v in rounds.values()):
+        raise ValueError("choose_paired needs the same number (>= 1) of rounds for every finalist")
     ratios = {s: [a / b for a, b in zip(rounds[s], rounds[baseline])] for s in others}
     chance = chance_of_a_verdict(len(others), n)
     always = [s for s in others if min(ratios[s]) > 1]
