@@ -113,7 +113,9 @@ def test_one_demand_read_runs_on_the_caller_and_wakes_no_io_thread(packed_dirs):
     time.sleep(0.05)  # a thread woken by a finished read would have found nothing by now
     assert loader.stats.n_requests == 12 and loader.stats.n_idle_wakes == 0
     cache.table.pin(b, [0])  # layer b's only slot is busy: the call fails after queueing layer a's read
-    with pytest.raises(RuntimeError, match="no room"):
+    # The error says what the slots hold (a rare no-room failure seen once in `specmoe tune` showed 0 pinned)
+    with pytest.raises(RuntimeError, match=r"no room .*1 pinned; 0 free, 0 loading \(0 with a read queued\), "
+                                           r"1 valid \(0 of them needed\)"):
         cache.load_absent({a: np.array([7]), b: np.array([8])})
     deadline = time.time() + 2
     while cache.table.state_of(ExpertKey(a, 7)) != VALID and time.time() < deadline:

@@ -105,7 +105,8 @@ class ResidentTables:
                         continue
                     raise RuntimeError(
                         f"layer {layer}: no room for experts {read.tolist()} ({ls.usable} usable slots, "
-                        f"{int((ls.pins > 0).sum())} pinned); a forward needs at most {ls.usable} unique experts")
+                        f"{int((ls.pins > 0).sum())} pinned; {self._slot_summary(layer, experts)}); a forward needs "
+                        f"at most {ls.usable} unique experts")
             t0 = time.perf_counter()
             self._wait_reads(tickets)  # follows a failed prefetch to its demand re-read
             ms = (time.perf_counter() - t0) * 1e3 if tickets else 0.0
@@ -146,6 +147,19 @@ class ResidentTables:
                     raise
                 queued += 1
         return queued
+
+    def _slot_summary(self, layer: int, experts: np.ndarray) -> str:
+        """What a layer's usable slots hold, for a no-room error: free, loading (and how many of those have a read
+        this cache can wait for), valid (and how many of those hold one of `experts`)."""
+        with self._lock:
+            ls = self.table.layers[layer]
+            state, owner = ls.state[: ls.usable], ls.slot_to_expert[: ls.usable]
+            loading = np.flatnonzero(state == LOADING)
+            waitable = sum(ExpertKey(layer, int(owner[s])) in self._tickets for s in loading)
+            valid = state == VALID
+            needed = int((valid & ~ls.not_holding(experts)).sum())
+            return (f"{int((state == FREE).sum())} free, {len(loading)} loading ({waitable} with a read queued), "
+                    f"{int(valid.sum())} valid ({needed} of them needed)")
 
     def _room(self, layer: int, experts: np.ndarray) -> int:
         """Slots a load for `experts` may take now (lock held): free, or valid, unpinned and not needed."""
