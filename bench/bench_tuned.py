@@ -74,7 +74,8 @@ def main() -> None:
           f"tok/s: median [min-max]; vs tuned: median [min-max] of per-trial ratios; load average "
           f"{load0[0]:.1f} before, {load1[0]:.1f} after")
     print(f"{'setting':<48}{'tok/s [min-max]':>22}{'vs tuned [min-max]':>22}{'misses/tok':>11}  verdict")
-    chance = chance_of_a_verdict(max(1, len(settings) - 1), args.trials)
+    n_compared = max(1, len(settings) - 1)
+    chance, needed = chance_of_a_verdict(n_compared, args.trials), trials_needed(n_compared)
     counts = chance <= ALPHA  # a setting on one side in every trial is a verdict only if luck alone rarely makes one
     luck = f"within chance ({chance:.0%} with {len(settings) - 1} settings x {args.trials} trials)"
     rows = []
@@ -104,10 +105,10 @@ def main() -> None:
     print(f"tuned is {'no slower than every setting outside the noise' if holds else 'SLOWER than ' + ', '.join(beaten)} "
           f"(a setting counts as faster only if it beat the tuned one in every one of {args.trials} trials, and "
           f"{len(settings) - 1} settings that do not differ would give such a verdict by chance {chance:.1%} of the time: "
-          f"{'under' if counts else 'over'} {ALPHA:.0%}; {trials_needed(max(1, len(settings) - 1))} trials get under it)")
+          f"{'under' if counts else 'over'} {ALPHA:.0%}; {needed} trials get under it)")
     print(json.dumps({"bench": "tuned", "budget": args.budget, "trials": args.trials, "load_avg": [load0, load1],
                       "chance_of_a_verdict": chance, "verdicts_count": counts,
-                      "trials_needed": trials_needed(max(1, len(settings) - 1)), "rows": rows, "holds": holds}))
+                      "trials_needed": needed, "rows": rows, "holds": holds}))
 
 if __name__ == "__main__":
     main()

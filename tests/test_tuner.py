@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from runtime.tune.tuner import (
-    Measurement, Setting, analytic_cutoff_bound, choose, choose_paired, cutoff_grid, load_tuning, refine, save_tuning, tuning_key,
+    Measurement, Setting, analytic_cutoff_bound, choose, choose_paired, cutoff_grid, load_tuning, refine, save_tuning,
+    tuning_key,
 )
 
 
@@ -227,16 +228,12 @@ def test_tune_measures_a_wider_forecast_beside_the_best_spmoe_setting_and_keeps_
     assert chosen[1.0]["forecast_experts"] == 0 and chosen[1.3]["forecast_experts"] == 8
 
 
-def _r(L, tps, k=3):
-    return _m(L, statistics.median(tps), k=k)
-
-
 def test_choose_paired_keeps_the_simplest_unless_a_finalist_wins_every_round_beyond_chance():
     base, fast, noisy, slow = (Setting(0, "none", 3, "dlfu"), Setting(2, "spmoe", 3, "dlfu"),
                                Setting(1, "spmoe", 3, "dlfu"), Setting(3, "spmoe", 3, "dlfu"))
     rounds = {base: [10.0] * 6, fast: [11.0, 10.5, 12.0, 10.2, 11.1, 10.9], noisy: [12.0, 9.0, 13.0, 12.0, 12.5, 11.0],
               slow: [9.0] * 6}
-    measured = {s: _r(s.cutoff, v) for s, v in rounds.items()}
+    measured = {s: _m(s.cutoff, statistics.median(v)) for s, v in rounds.items()}
     c = choose_paired(rounds, base, measured)
     # noisy has the highest median but lost one round; fast won all six (3 compared: chance 4.6% <= 5%)
     assert c.setting == fast and "every round" in c.reason and c.measurement is measured[fast]

@@ -22,8 +22,8 @@ does not apply: stages 2 and 4 are skipped and the report says so.
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
 import random
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from predictor.projection import config_digest
