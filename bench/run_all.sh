@@ -98,6 +98,7 @@ run hotpath_decode_embedded python bench/bench_decode.py --model "$TARGET" --bud
 # The three targets alone (issue 14), 16 paired trials with the A/A control: fewer models in the process than the
 # ablation table above, whose every variant is loaded at once.
 run hotpath_decode_targets python bench/bench_decode.py --budgets 100%,50%,25% --one-sync auto --trials 16 --next-off "" --route-off "" --route-all "" --staged-off ""
+run backend python bench/bench_backend.py --trials 8
 run prefill python bench/bench_prefill.py
 run long_context python bench/bench_long_context.py
 run long_context_tight python bench/bench_long_context.py --cap 145000000

@@ -1,0 +1,225 @@
+"""What this machine's MLX backend charges per op, and whether host work can overlap its compute.
+
+Issue 14's decode targets compare specmoe with stock mlx-lm on a model whose token is a few hundred tiny
+ops: what an op costs, and whether Python can run beside the compute, set how far the engine's own host
+work and extra lookup ops can be hidden. Four measurements, each repeated, the variants interleaved:
+
+1. op chain: one eval of N chained small ops (a 1 x D matmul, a max, an add) -> microseconds per op.
+2. Python beside eval: that eval while a pure-Python thread spins, over the eval alone. Above 1 means eval
+   needs more than the one core such a thread leaves free (on this CPU backend the evaluating thread and
+   the worker both stay busy: any host work run beside the compute slows it).
+3. extra ops in a decode: stock decode of the synthetic 8-layer checkpoint (bench_decode.py's) with E
+   extra tiny ops per MoE layer (a lookup through a 64-entry identity table, as a device lookup does)
+   against none, paired per trial -> microseconds per extra op inside a real forward.
+4. queueing from a helper thread: mx.async_eval blocks here until the device is nearly done, so mlx-lm's
+   loop builds token n+1 while little of token n is left to compute. The variant queues from a helper
+   thread (on a stream any thread may use) while the main thread builds the next forward; tokens must
+   equal the plain loop's. Paired per trial: plain loop's time over the variant's (above 1: the variant
+   is faster).
+
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runtime.checkpoints import make_tiny  # noqa: E402
+
+PROMPTS = ["The history of the river begins in the mountains, where",
+           "def load_experts(path):\n    \"\"\"Read every expert",
+           "Once upon a time a model was larger than the machine that ran it, and"]
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def op_chain(n_ops: int, width: int, repeats: int, spin: bool) -> list[float]:
+    """Milliseconds per eval of a chain of n_ops small ops, with a Python thread spinning beside it or not."""
+    a = mx.ones((1, width))
+    w = mx.ones((width, width)) * 1e-3
+    mx.eval(a, w)
+    stop = threading.Event()
+
+    def spin_until_stopped():
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    spinner = threading.Thread(target=spin_until_stopped, daemon=True) if spin else None
+    if spinner is not None:
+        spinner.start()
+    try:
+        times = []
+        for _ in range(repeats):
+            x = a
+            for _ in range(n_ops // 3):
+                x = mx.maximum(x @ w, 0.5) + 1e-3
+            t0 = time.perf_counter()
+            mx.eval(x)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    finally:
+        stop.set()
+        if spinner is not None:
+            spinner.join()
+
+
+class _ExtraOps(nn.Module):
+    """Stock SwitchGLU behind `n` lookups of its expert ids through an identity table (the ids are unchanged)."""
+
+    def __init__(self, inner, n: int, n_experts: int):
+        super().__init__()
+        self.inner, self.n = inner, n
+        object.__setattr__(self, "_table", mx.arange(n_experts, dtype=mx.uint32))
+
+    def __call__(self, x, indices):
+        for _ in range(self.n):
+            indices = self._table[indices]
+        return self.inner(x, indices)
+
+
+class _Decoder:
+    """mlx-lm's decode loop on a stock model (build n+1, queue it, read n), plain or queued from a helper thread."""
+
+    def __init__(self, model, tokenizer, tokens: int):
+        self.model, self.tokenizer, self.tokens = model, tokenizer, tokens
+        self.pool = ThreadPoolExecutor(1)
+
+    def run(self, prompt: str, helper: bool) -> tuple[float, list[int]]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        ids = mx.array(self.tokenizer.encode(prompt))
+        self.model(ids[None, :-1], cache=cache)
+        mx.eval([c.state for c in cache])
+
+        def step(y):
+            return mx.argmax(self.model(y[None], cache=cache)[:, -1, :], axis=-1)
+
+        y = step(ids[-1:])
+        mx.eval(y)
+        out = []
+        t0 = time.perf_counter()
+        if helper:
+            queued = self.pool.submit(mx.async_eval, y)
+            for _ in range(self.tokens):
+                nxt = step(y)  # built while the helper thread queues (and the device computes) token n
+                queued.result()
+                queued = self.pool.submit(mx.async_eval, nxt)
+                out.append(y)
+                y = nxt
+            queued.result()
+            out = [int(t.item()) for t in out]
+        else:
+            for _ in range(self.tokens):
+                nxt = step(y)
+                mx.async_eval(nxt)
+                out.append(int(y.item()))
+                y = nxt
+        mx.eval(y)
+        return (time.perf_counter() - t0) / self.tokens * 1e3, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=360, help="ops in the chain of measurements 1 and 2")
+    ap.add_argument("--width", type=int, default=256, help="width D of the chain's 1 x D activations")
+    ap.add_argument("--chain-repeats", type=int, default=30, help="evals of the chain per variant and trial")
+    ap.add_argument("--extra-ops", type=int, default=16, help="extra lookups per MoE layer in measurement 3")
+    ap.add_argument("--tokens", type=int, default=48, help="decoded tokens per run in measurements 3 and 4")
+    ap.add_argument("--trials", type=int, default=4, help="trials; each runs every prompt with every variant")
+    ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
+    args = ap.parse_args()
+    for name in ("ops", "width", "chain_repeats", "extra_ops", "tokens", "trials"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+
+    from mlx_lm import load
+
+    # Every variant runs on one stream that any thread may use (measurement 4's helper queues on it).
+    mx.set_default_stream(mx.new_thread_unsafe_stream(mx.cpu))
+    load_before = list(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny(Path(tmp) / "m", "qwen3_moe", seed=0, layers=8, n_experts=64, top_k=4, hidden=256,
+                         expert_hidden=256)
+        model, tokenizer = load(str(path))
+        layers = [l for l in model.model.layers if hasattr(l.mlp, "switch_mlp")]
+        stock = [l.mlp.switch_mlp for l in layers]
+        n_experts = model.args.num_experts
+
+        def extra(n: int) -> None:
+            for l, s in zip(layers, stock):
+                l.mlp.switch_mlp = _ExtraOps(s, n, n_experts) if n else s
+
+        dec = _Decoder(model, tokenizer, args.tokens)
+        op_cost, beside, per_extra, helper_ratio, helper_ms, plain_ms = [], [], [], [], [], []
+        op_chain(args.ops, args.width, 3, False)  # warm both variants alike
+        for v in (False, True):
+            dec.run(PROMPTS[0], v)
+        for trial in range(args.trials):
+            order = (False, True) if trial % 2 == 0 else (True, False)  # neither variant always goes first
+            res = {spin: statistics.median(op_chain(args.ops, args.width, args.chain_repeats, spin)) for spin in order}
+            op_cost.append(res[False] * 1e3 / (args.ops // 3 * 3))
+            beside.append(res[True] / res[False])
+            for prompt in PROMPTS:
+                t = {}
+                for n in ((0, args.extra_ops) if trial % 2 == 0 else (args.extra_ops, 0)):
+                    extra(n)
+                    t[n] = dec.run(prompt, False)[0]
+                extra(0)
+                per_extra.append((t[args.extra_ops] - t[0]) * 1e3 / (args.extra_ops * len(layers)))
+                r = {}
+                for helper in order:
+                    r[helper] = dec.run(prompt, helper)
+                if r[True][1] != r[False][1]:
+                    raise SystemExit("the helper-thread loop decoded other tokens than mlx-lm's loop: not comparable")
+                plain_ms.append(r[False][0])
+                helper_ms.append(r[True][0])
+                helper_ratio.append(r[False][0] / r[True][0])
+    load_after = list(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else []
+    result = {"bench": "backend", "device": str(mx.default_device()), "mlx": mx.__version__, "ops": args.ops,
+              "width": args.width, "extra_ops": args.extra_ops, "tokens": args.tokens, "trials": args.trials,
+              "load_avg": [load_before, load_after],
+              "us_per_op": _spread(op_cost), "python_beside_eval": _spread(beside),
+              "us_per_extra_op_in_decode": _spread(per_extra),
+              "helper_queue_vs_plain": _spread(helper_ratio),
+              "plain_ms_per_token": statistics.median(plain_ms), "helper_ms_per_token": statistics.median(helper_ms)}
+
+    def row(label, s, unit, fmt="{:.2f}"):
+        return f"{label:<58} {fmt.format(s['median']):>8} {unit:<9} [{fmt.format(s['min'])}-{fmt.format(s['max'])}] n={s['n']}"
+
+    lines = [f"MLX {mx.__version__} on {result['device']}; synthetic qwen3_moe, 8 layers, 64 experts, top-4; "
+             f"{args.trials} trials, variants interleaved; load average {' '.join(load_before)} before, "
+             f"{' '.join(load_after)} after",
+             f"{'measurement':<58} {'median':>8} {'unit':<9} [min-max]",
+             row(f"1. one op of a {args.ops}-op chain (1 x {args.width})", result["us_per_op"], "us", "{:.1f}"),
+             row("2. that eval with a Python thread spinning beside it", result["python_beside_eval"], "x alone"),
+             row(f"3. an extra lookup op in a stock decode ({args.extra_ops} a MoE layer)",
+                 result["us_per_extra_op_in_decode"], "us", "{:.1f}"),
+             row("4. mlx-lm's loop over helper-thread queueing (time)", result["helper_queue_vs_plain"],
+                 "x"),
+             f"   (ms per token: plain {result['plain_ms_per_token']:.2f}, helper {result['helper_ms_per_token']:.2f};"
+             " above 1 would mean the helper's overlap pays)"]
+    text = "\n".join(lines) + "\n" + json.dumps(result) + "\n"
+    sys.stdout.write(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
