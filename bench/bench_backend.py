@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -152,7 +153,7 @@ def main() -> int:
 
     # Every variant runs on one stream that any thread may use (measurement 4's helper queues on it).
     mx.set_default_stream(mx.new_thread_unsafe_stream(mx.cpu))
-    load_before = list(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else []
+    load_before = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny(Path(tmp) / "m", "qwen3_moe", seed=0, layers=8, n_experts=64, top_k=4, hidden=256,
                          expert_hidden=256)
@@ -190,7 +191,7 @@ def main() -> int:
                 plain_ms.append(r[False][0])
                 helper_ms.append(r[True][0])
                 helper_ratio.append(r[False][0] / r[True][0])
-    load_after = list(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else []
+    load_after = [round(x, 2) for x in os.getloadavg()]
     result = {"bench": "backend", "device": str(mx.default_device()), "mlx": mx.__version__, "ops": args.ops,
               "width": args.width, "extra_ops": args.extra_ops, "tokens": args.tokens, "trials": args.trials,
               "load_avg": [load_before, load_after],
@@ -203,8 +204,8 @@ def main() -> int:
         return f"{label:<58} {fmt.format(s['median']):>8} {unit:<9} [{fmt.format(s['min'])}-{fmt.format(s['max'])}] n={s['n']}"
 
     lines = [f"MLX {mx.__version__} on {result['device']}; synthetic qwen3_moe, 8 layers, 64 experts, top-4; "
-             f"{args.trials} trials, variants interleaved; load average {' '.join(load_before)} before, "
-             f"{' '.join(load_after)} after",
+             f"{args.trials} trials, variants interleaved; load average {' '.join(map(str, load_before))} before, "
+             f"{' '.join(map(str, load_after))} after",
              f"{'measurement':<58} {'median':>8} {'unit':<9} [min-max]",
              row(f"1. one op of a {args.ops}-op chain (1 x {args.width})", result["us_per_op"], "us", "{:.1f}"),
              row("2. that eval with a Python thread spinning beside it", result["python_beside_eval"], "x alone"),
