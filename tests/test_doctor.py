@@ -53,9 +53,13 @@ def test_quick_doctor_reports_every_check_and_feeds_the_planner(run_doctor_cli, 
     for row in rows:
         assert "error" not in row, row
         assert row["tokens_match_first_run"] and row["syncs_per_token"] >= 1 and row["tokens_per_s"] > 0
+        # Against stock mlx-lm running the same target resident: the same tokens (lossless), a decode-speed ratio.
+        assert row["tokens_match_stock"] and row["stock_tokens_per_s"] > 0
+        assert row["vs_stock"] == pytest.approx(row["tokens_per_s"] / row["stock_tokens_per_s"], rel=0.01)
     assert all(0 <= r["acceptance"] <= 1 for r in rows if r["mode"] == "speculative")
     assert [p["kind"] for p in report["projection"]["rows"]] == ["projection"] * 4
     assert "Decoding on the embedded pair" in result.stdout and "selfcheck:" in result.stdout
+    assert "| vs stock |" in result.stdout and "| tokens = stock |" in result.stdout
     assert (tmp_path / "home" / "doctor-last.json").exists()
     assert [s["name"] for s in report["mac_settings"]] == ["wired_limit", "command_buffers", "fast_synch"]
     # The report is what `specmoe plan --from-doctor` reads.
@@ -64,6 +68,21 @@ def test_quick_doctor_reports_every_check_and_feeds_the_planner(run_doctor_cli, 
     plan = build_plan(model_ref="qwen3-30b-a3b", mac_name="m4-16gb", measured=measured)
     assert plan["engine"]["sync_us"] == sync["default"]["sync_us"]
     assert list(tmp_path.glob("specmoe-doctor-*")) == []  # the SSD probe cleaned up
+
+
+def test_decode_rows_report_tokens_that_differ_from_stock(monkeypatch):
+    """The lossless column can fail: stock tokens that differ from the engine's are reported, not hidden."""
+    from runtime.doctor import decode_probe
+    from runtime.doctor.render import render_report
+
+    real = decode_probe._Stock.run
+    monkeypatch.setattr(decode_probe._Stock, "run", lambda self: (lambda tps, toks: (tps, toks[:-1] + [toks[-1] + 1]))(
+        *real(self)))
+    rows = decode_probe.decode_rows(max_tokens=6, budgets=("100%",))
+    assert [r["mode"] for r in rows] == ["plain", "speculative"]
+    assert all(r["tokens_match_first_run"] and r["tokens_match_stock"] is False for r in rows)
+    text = render_report({"doctor_version": 1, "quick": True, "elapsed_s": 0, "decode": rows})
+    assert "| yes | NO |" in text
 
 
 def test_doctor_bad_paths_are_refused_before_anything_runs(run_doctor_cli, tmp_path):

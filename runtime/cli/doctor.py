@@ -35,9 +35,10 @@ def doctor_command(
     data_dir: Annotated[Optional[Path], typer.Option(
         "--dir", help="Directory for the SSD probe's temporary file (default: the temp directory; use the "
                       "disk your models live on).")] = None,
-    decode: Annotated[bool, typer.Option("--decode/--no-decode", help="Run the embedded-pair decodes.")] = True,
+    decode: Annotated[bool, typer.Option("--decode/--no-decode", help="Run the embedded-pair decodes, each beside stock mlx-lm on the same target.")] = True,
 ) -> None:
-    """Measure this machine (sync latency, cold SSD reads, decoding on the embedded pair) beside the planner."""
+    """Measure this machine (sync latency, cold SSD reads, decoding on the embedded pair against stock mlx-lm) beside
+    the planner."""
     if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():
         typer.echo(f"specmoe doctor: error: --json {str(json_path)!r}: directory does not exist", err=True)
         raise SystemExit(2)

@@ -11,6 +11,12 @@ today ("derived"): a forward that succeeded as one pass costs 1 sync; one that f
 failed pass plus a per-layer forward (MoE layers + 2); one not tried costs MoE layers + 1; a fallback
 is counted as a repair. Speculative rounds add one sync per drafted token.
 
+Against stock mlx-lm: the embedded target also runs resident in stock mlx-lm (`mlx_lm.stream_generate`, the same
+prompt, tokens and greedy sampling) once per budget, right after that budget's plain run: each row's `vs_stock` is
+its decode tok/s over that stock run's (issue 14's measure, here one pair per budget: noisy, where
+bench/bench_decode.py pairs 16 trials), and `tokens_match_stock` says whether it decoded stock's tokens (lossless).
+Stock is warmed up once before the first run, so neither side starts cold.
+
 Invariant: the doctor never raises out of a decode run; a failure is reported in the row.
 """
 
@@ -78,22 +84,55 @@ def _run(target, drafter, budget: str, max_tokens: int, num_draft: int) -> dict:
     return row
 
 
+class _Stock:
+    """The embedded target resident in stock mlx-lm: decode tok/s and tokens of the doctor's prompt."""
+
+    def __init__(self, target, max_tokens: int):
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(target))
+        self.max_tokens = max_tokens
+        self.run()  # warm-up: kernels built and caches touched before any measured run
+
+    def run(self) -> tuple[float, list[int]]:
+        from mlx_lm import stream_generate
+
+        tokens, last = [], None
+        for response in stream_generate(self.model, self.tokenizer, PROMPT, max_tokens=self.max_tokens):
+            tokens.append(response.token)
+            last = response
+        return last.generation_tps, tokens
+
+
 def decode_rows(max_tokens: int = 32, budgets: tuple[str, ...] = ("100%", "50%", "25%"),
                 num_draft: int = 3) -> list[dict]:
-    """One row per (budget, plain|speculative) on the embedded pair; rows carry an "error" on failure."""
+    """One row per (budget, plain|speculative) on the embedded pair, each against stock mlx-lm (the module
+    docstring); rows carry an "error" on failure."""
     from runtime.checkpoints import embedded_pair
 
     pair = embedded_pair()
+    try:
+        stock = _Stock(pair.target, max_tokens)
+    except Exception as error:  # noqa: BLE001 - the engine's rows are still worth having
+        stock, stock_error = None, f"{type(error).__name__}: {error}"
     rows, reference = [], None
     for budget in budgets:
+        stock_tps = stock_tokens = None
         for mode, drafter in (("plain", None), ("speculative", pair.default_drafter)):
             try:
                 row = _run(pair.target, drafter, budget, max_tokens, num_draft)
+                if stock is not None and stock_tps is None:  # paired with this budget's plain run, right after it
+                    stock_tps, stock_tokens = stock.run()
             except Exception as error:  # noqa: BLE001 - reported in the row, the doctor goes on
                 rows.append({"budget": budget, "mode": mode, "error": f"{type(error).__name__}: {error}"})
                 continue
             tokens = row.pop("tokens")
             reference = tokens if reference is None else reference
             row.update(budget=budget, mode=mode, tokens_match_first_run=tokens == reference)
+            if stock is None:
+                row["stock_error"] = stock_error
+            else:
+                row.update(stock_tokens_per_s=round(stock_tps, 2), vs_stock=round(row["tokens_per_s"] / stock_tps, 3),
+                           tokens_match_stock=tokens == stock_tokens)
             rows.append(row)
     return rows

@@ -60,18 +60,25 @@ def render_report(r: dict) -> str:
     if isinstance(decode, list) and decode:
         projected = {(p["budget"], p["mode"]): p["projected_tok_s"]
                      for p in (r.get("projection") or {}).get("rows", [])}
-        lines += ["", "Decoding on the embedded pair (greedy; hit rate includes the prompt):", "",
-                  "| budget | mode | tok/s | projected tok/s | hit rate | host syncs/token | repairs/token | "
-                  "acceptance | recall | tokens = first run |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Decoding on the embedded pair (greedy; hit rate includes the prompt; vs stock: over stock mlx-lm "
+                  "running the same target resident, one pair per budget, noisy):", "",
+                  "| budget | mode | tok/s | vs stock | projected tok/s | hit rate | host syncs/token | repairs/token | "
+                  "acceptance | recall | tokens = first run | tokens = stock |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in decode:
             if "error" in row:
-                lines.append(f"| {row['budget']} | {row['mode']} | error: {row['error']} | | | | | | | |")
+                lines.append(f"| {row['budget']} | {row['mode']} | error: {row['error']} | | | | | | | | | |")
                 continue
+            match = row.get("tokens_match_stock")
             lines.append(
-                f"| {row['budget']} | {row['mode']} | {row['tokens_per_s']:.1f} | "
+                f"| {row['budget']} | {row['mode']} | {row['tokens_per_s']:.1f} | {row.get('vs_stock', '-')} | "
                 f"{projected.get((row['budget'], row['mode']), '-')} | {row['hit_rate']:.2f} | "
                 f"{row['syncs_per_token']:.2f} | {row['repairs_per_token']:.3f} | {row.get('acceptance', '-')} | "
-                f"{row.get('forecast_recall', '-')} | {'yes' if row['tokens_match_first_run'] else 'NO'} |")
+                f"{row.get('forecast_recall', '-')} | {'yes' if row['tokens_match_first_run'] else 'NO'} | "
+                f"{'-' if match is None else 'yes' if match else 'NO'} |")
+        stock_error = next((row["stock_error"] for row in decode if "stock_error" in row), None)
+        if stock_error:
+            lines.append(f"\nstock mlx-lm could not run the target: {stock_error}")
         how = {row.get("sync_counts") for row in decode if "sync_counts" in row}
         lines.append(f"\nhost syncs and repairs: {', '.join(sorted(how))}; projected = the planner (cost model v2) fed "
                      "these measurements, a projection")
