@@ -60,10 +60,10 @@ def render_report(r: dict) -> str:
     if isinstance(decode, list) and decode:
         projected = {(p["budget"], p["mode"]): p["projected_tok_s"]
                      for p in (r.get("projection") or {}).get("rows", [])}
-        lines += ["", "Decoding on the embedded pair (greedy; hit rate includes the prompt; vs stock: over stock mlx-lm "
-                  "running the same target resident, one pair per budget, noisy):", "",
-                  "| budget | mode | tok/s | vs stock | projected tok/s | hit rate | host syncs/token | repairs/token | "
-                  "acceptance | recall | tokens = first run | tokens = stock |",
+        lines += ["", "Decoding on the embedded pair (greedy; hit rate includes the prompt; vs stock: over stock "
+                  "mlx-lm running the same target resident, one pair per budget, noisy):", "",
+                  "| budget | mode | tok/s | vs stock | projected tok/s | hit rate | host syncs/token | "
+                  "repairs/token | acceptance | recall | tokens = first run | tokens = stock |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in decode:
             if "error" in row:
@@ -89,7 +89,7 @@ def render_report(r: dict) -> str:
         lines.append(f"per-layer time implied by the plain runs: {projection['implied_layer_us']} us "
                      f"(the planner's Mac-fitted value is used above)")
     inputs = r.get("planner_inputs") or {}
-    lines.append(f"planner inputs (`specmoe plan --from-doctor`): "
+    lines.append("planner inputs (`specmoe plan --from-doctor`): "
                  + ", ".join(f"{k} {v}" for k, v in inputs.items() if k != "note"))
     settings = r.get("mac_settings") or []
     if settings:
