@@ -36,7 +36,7 @@ def doctor_command(
         "--dir", help="Directory for the SSD probe's temporary file (default: the temp directory; use the "
                       "disk your models live on).")] = None,
     decode: Annotated[bool, typer.Option(
-        "--decode/--no-decode", help="Run the embedded-pair decodes, each beside stock mlx-lm on the same target.")] = True,
+        "--decode/--no-decode", help="Run the embedded-pair decodes, each beside stock mlx-lm.")] = True,
 ) -> None:
     """Measure this machine (sync latency, cold SSD reads, decoding on the embedded pair against stock mlx-lm) beside
     the planner."""
