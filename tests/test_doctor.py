@@ -85,6 +85,26 @@ def test_decode_rows_report_tokens_that_differ_from_stock(monkeypatch):
     assert "| yes | NO |" in text
 
 
+def test_a_stock_run_that_fails_leaves_the_engines_rows(monkeypatch):
+    from runtime.doctor import decode_probe
+    from runtime.doctor.render import render_report
+
+    calls = []
+
+    def fail(self):
+        calls.append(1)
+        if len(calls) > 1:  # the warm-up passes; the measured run fails
+            raise RuntimeError("stock broke")
+        return 1.0, []
+
+    monkeypatch.setattr(decode_probe._Stock, "run", fail)
+    rows = decode_probe.decode_rows(max_tokens=4, budgets=("100%",))
+    assert all("error" not in r and r["tokens_per_s"] > 0 and r["stock_error"] == "RuntimeError: stock broke"
+               and "vs_stock" not in r for r in rows)
+    text = render_report({"doctor_version": 1, "quick": True, "elapsed_s": 0, "decode": rows})
+    assert "stock mlx-lm could not run the target: RuntimeError: stock broke" in text
+
+
 def test_doctor_bad_paths_are_refused_before_anything_runs(run_doctor_cli, tmp_path):
     result = run_doctor_cli("--json", str(tmp_path / "missing" / "d.json"))
     assert result.exit_code == 2 and "--json" in result.output

@@ -111,28 +111,32 @@ def decode_rows(max_tokens: int = 32, budgets: tuple[str, ...] = ("100%", "50%",
     from runtime.checkpoints import embedded_pair
 
     pair = embedded_pair()
+    stock, stock_error = None, None
     try:
         stock = _Stock(pair.target, max_tokens)
     except Exception as error:  # noqa: BLE001 - the engine's rows are still worth having
-        stock, stock_error = None, f"{type(error).__name__}: {error}"
+        stock_error = f"{type(error).__name__}: {error}"
     rows, reference = [], None
     for budget in budgets:
-        stock_tps = stock_tokens = None
+        paired = None  # (stock tok/s, stock tokens) of this budget: run right after its first run that worked
         for mode, drafter in (("plain", None), ("speculative", pair.default_drafter)):
             try:
                 row = _run(pair.target, drafter, budget, max_tokens, num_draft)
-                if stock is not None and stock_tps is None:  # paired with this budget's plain run, right after it
-                    stock_tps, stock_tokens = stock.run()
             except Exception as error:  # noqa: BLE001 - reported in the row, the doctor goes on
                 rows.append({"budget": budget, "mode": mode, "error": f"{type(error).__name__}: {error}"})
                 continue
+            if stock is not None and paired is None:
+                try:
+                    paired = stock.run()
+                except Exception as error:  # noqa: BLE001 - stock's failure, not the engine's
+                    stock, stock_error = None, f"{type(error).__name__}: {error}"
             tokens = row.pop("tokens")
             reference = tokens if reference is None else reference
             row.update(budget=budget, mode=mode, tokens_match_first_run=tokens == reference)
-            if stock is None:
+            if paired is None:
                 row["stock_error"] = stock_error
             else:
-                row.update(stock_tokens_per_s=round(stock_tps, 2), vs_stock=round(row["tokens_per_s"] / stock_tps, 3),
-                           tokens_match_stock=tokens == stock_tokens)
+                row.update(stock_tokens_per_s=round(paired[0], 2), vs_stock=round(row["tokens_per_s"] / paired[0], 3),
+                           tokens_match_stock=tokens == paired[1])
             rows.append(row)
     return rows
