@@ -37,11 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.bench_decode import PROMPTS  # noqa: E402  (the decode bench's prompts: the same workload)
 from runtime.checkpoints import make_tiny  # noqa: E402
-
-PROMPTS = ["The history of the river begins in the mountains, where",
-           "def load_experts(path):\n    \"\"\"Read every expert",
-           "Once upon a time a model was larger than the machine that ran it, and"]
 
 
 def _spread(xs: list[float]) -> dict:

@@ -76,8 +76,12 @@ def test_decode_rows_report_tokens_that_differ_from_stock(monkeypatch):
     from runtime.doctor.render import render_report
 
     real = decode_probe._Stock.run
-    monkeypatch.setattr(decode_probe._Stock, "run", lambda self: (lambda tps, toks: (tps, toks[:-1] + [toks[-1] + 1]))(
-        *real(self)))
+
+    def last_token_changed(self):
+        tps, tokens = real(self)
+        return tps, tokens[:-1] + [tokens[-1] + 1]
+
+    monkeypatch.setattr(decode_probe._Stock, "run", last_token_changed)
     rows = decode_probe.decode_rows(max_tokens=6, budgets=("100%",))
     assert [r["mode"] for r in rows] == ["plain", "speculative"]
     assert all(r["tokens_match_first_run"] and r["tokens_match_stock"] is False for r in rows)
