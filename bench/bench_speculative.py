@@ -94,9 +94,10 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
         om.close()
 
 
-def summarise(runs: list[dict], base: list[dict] | None) -> dict:
+def summarise(runs: list[dict], base: list[dict] | None, n_prompts: int = 1) -> dict:
     """Median tok/s over prompt runs; vs no-spec = median of per-run ratios to no-spec on the same
-    prompt and repeat (variants of a prompt run back to back, so machine drift mostly cancels)."""
+    prompt and repeat (variants of a prompt run back to back, so machine drift mostly cancels).
+    Runs are in pass order, prompts inner: per_prompt is each prompt's median ratio over the passes."""
     tokens = sum(r["tokens"] for r in runs)
     ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base)] if base else None
     cpu = ([b["cpu_ms_per_token"] / r["cpu_ms_per_token"] for r, b in zip(runs, base)]
@@ -112,7 +113,10 @@ def summarise(runs: list[dict], base: list[dict] | None) -> dict:
                                 if runs[0]["cpu_ms_per_token"] is not None else None),
            "cpu_vs_no_spec": statistics.median(cpu) if cpu else None,
            "cpu_vs_no_spec_min": min(cpu) if cpu else None, "cpu_vs_no_spec_max": max(cpu) if cpu else None,
-           "n_runs": len(runs),
+           "n_runs": len(runs), "ratios": ratios,
+           "per_prompt": ([statistics.median(ratios[i::n_prompts]) for i in range(n_prompts)] if ratios else None),
+           "per_prompt_acceptance": ([statistics.mean(r["acceptance"] for r in runs[i::n_prompts]) for i in range(n_prompts)]
+                                     if runs[0].get("acceptance") is not None else None),
            "misses_per_token": sum(r["misses"] for r in runs) / tokens,
            "mb_read_per_token": sum(r["mb"] for r in runs) / tokens}
     for key in ("acceptance", "tokens_per_verify", "recall", "precision", "forecast_per_layer", "one_sync_share", "mean_k",
@@ -179,7 +183,7 @@ def main() -> None:
         for variant in variants:  # a +ahead variant against no-spec+ahead when it ran: the same loader work in both
             ahead_base = "+ahead" in variant and variant != "no-spec+ahead" and "no-spec+ahead" in runs
             base = runs["no-spec+ahead"] if ahead_base else runs.get("no-spec")
-            results[f"{budget} {variant}"] = summarise(runs[variant], base)
+            results[f"{budget} {variant}"] = summarise(runs[variant], base, len(prompts))
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(prompts)} prompts, "
           f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}, {args.repeats} pass(es); "
           "tok/s: median over runs; vs no-spec: median [min-max] of per-prompt ratios (verdict: faster/slower only "
@@ -200,6 +204,12 @@ def main() -> None:
               f"{fmt(r['recall'], '{:.2f}'):>8}{fmt(r['precision'], '{:.2f}'):>8}"
               f"{fmt(r['forecast_per_layer'], '{:.1f}'):>9}{fmt(r['one_sync_share'], '{:.0%}'):>8}"
               f"{fmt(r['routed_share'], '{:.0%}'):>8}{fmt(r['mean_k'], '{:.2f}'):>7}")
+    if args.repeats > 1:  # is the median one prompt's story? (each prompt's median ratio over the passes, its acceptance)
+        for key, r in results.items():
+            if r["per_prompt"] and not key.endswith(" no-spec"):
+                acc = r["per_prompt_acceptance"] or [None] * len(r["per_prompt"])
+                print(f"{key}: per prompt, median vs no-spec (acceptance) " + ", ".join(
+                    f"{x:.2f}" + (f" ({a:.0%})" if a is not None else "") for x, a in zip(r["per_prompt"], acc)))
     rounds = {k: r["per_round"] for k, r in results.items() if r.get("per_round")}
     if rounds:
         print("where a round goes (totals over all runs, per round; verify reads per window of 2+ tokens, by the window "

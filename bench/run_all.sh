@@ -74,6 +74,8 @@ done
 for ms in 0 1 2; do  # the hot-path section's speculative rows (+1/+2 ms per read: emulated)
   run hotpath_speculative_${ms}ms python bench/bench_speculative.py --emulate-read-ms $ms --variants no-spec,spmoe,spmoe+last,spmoe/off,oracle --budgets 50% --repeats 3
 done
+# the 2 ms row's truth pass: spmoe and spmoe+last against plain decoding, 12 repeats (48 paired ratios; +2 ms per read: emulated)
+run hotpath_speculative_2ms_long python bench/bench_speculative.py --emulate-read-ms 2 --variants no-spec,spmoe,spmoe+last --budgets 50% --repeats 12
 # a larger spmoe forecast at verify against the default, interleaved (+2 ms per read: emulated)
 run hotpath_speculative_forecast_width python bench/bench_speculative.py --emulate-read-ms 2 --variants no-spec,spmoe,spmoe@6,spmoe@8,spmoe@6+last --budgets 50%,25% --repeats 3
 run sweep_cutoff specmoe sweep cutoff -m "$TARGET" --draft "$DRAFT" --prompts bench/prompts.txt --budget 25% --io-mode direct --repeats 3 --plot docs/img/cutoff.png --json "$OUT/sweep_cutoff.json"
