@@ -52,7 +52,6 @@ def main() -> None:
         load1 = os.getloadavg()
         for om in models.values():
             om.close()
-    base = statistics.median(samples["off"])
     print(f"decode tok/s at budget {args.budget}, median of {args.trials} interleaved trials; vs off: median [min-max] "
           "of per-trial ratios (each trial runs every variant back to back, in a fresh order); CPU vs off: off's CPU "
           f"ms/token over the variant's, per trial; load average {load0[0]:.1f} before, {load1[0]:.1f} after")

@@ -107,7 +107,6 @@ def train_model(name, model, loss_fn, stream, args, budget_minutes, fixed_steps,
 
 
 def target_loss_fn(model, k, lb_coef):
-    import mlx.core as mx
     import mlx.nn as nn
 
     def loss_fn(inputs, targets):

@@ -277,7 +277,7 @@ def expert_outputs(x: mx.array, inds: mx.array, weights: ExpertWeights, activati
     """(..., k, D): every pair's expert output, computed grouped by expert, in pair order."""
     if x.shape[:-1] != inds.shape[:-1]:
         raise ValueError(f"x {x.shape} and inds {inds.shape} must share their leading (token) dimensions")
-    d_model, k = x.shape[-1], inds.shape[-1]
+    d_model = x.shape[-1]
     x2d = x.reshape(-1, d_model)
     grouping = group_by_expert(inds)
 

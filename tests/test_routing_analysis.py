@@ -56,7 +56,7 @@ def test_shuffle_control_matches_analytic_independence():
 
 def test_temporally_correlated_trace_beats_both_baselines():
     rng = np.random.default_rng(3)
-    n, k, rows = 64, 4, [rng.choice(64, 4, replace=False)]
+    n, rows = 64, [rng.choice(64, 4, replace=False)]
     for _ in range(999):  # keep half of the previous token's experts
         keep = rows[-1][:2]
         rest = rng.choice(np.setdiff1d(np.arange(n), keep), 2, replace=False)

@@ -7,7 +7,6 @@ Ctrl-C during a reply stops that reply only.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import typer
 
 from runtime.cli import options as opt
 from runtime.cli.engine_options import load_engine
-from runtime.observe import err_console
 
 HELP = "commands: /reset (new conversation), /stats (cache and last reply), /help, /quit (or Ctrl-D)"
 

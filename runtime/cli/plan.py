@@ -34,8 +34,7 @@ from runtime.plan import (
     projection_json,
     required_hit_rate,
 )
-from runtime.plan import MLX_FAST_SYNCH_US, specmoe_engine
-from runtime.plan import default_headroom_bytes
+from runtime.plan import specmoe_engine
 from runtime.plan import PREFILL_ASSUMPTIONS, max_context_tokens, prefill_time
 
 __all__ = ["register", "build_plan", "measured_from_doctor"]

@@ -111,7 +111,6 @@ def sweep_cutoff(
     _finish(measured, title, json_path, {"chosen_cutoff": c.setting.cutoff, "reason": c.reason})
     console.print(f"chosen L = {c.setting.cutoff}: {c.reason}", highlight=False)
     if plot:
-        from dataclasses import asdict
 
         from runtime.tune import plot_cutoff
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +37,9 @@ from runtime.observe import Telemetry
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
 from storage.faults import FaultyReader, parse_faults
 from storage.reader import RangeReader
+
+if TYPE_CHECKING:  # for the annotation only; routers() imports it when called
+    from predictor.spmoe import TargetRouter
 
 log = logging.getLogger(__name__)
 

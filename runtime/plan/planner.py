@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from pathlib import Path
 
 from runtime.cache import HEADROOM_FRACTION, HEADROOM_MIN_BYTES, BudgetSpec
 from runtime.plan.engine_costs import EngineProfile, engine_overhead
@@ -330,7 +329,6 @@ def project(
                         prefetch_recall=prefetch_recall)
     if spec is None:
         return Projection(label or "baseline", 1000.0 / step.total_ms, step.total_ms, step, None)
-    bytes_per_ms = mac.mem_bandwidth_gbps * constants.mem_efficiency * 1e6
     draft_ms = spec.draft_len * draft_token_ms(model, mac, spec, constants)
     # With speculation the loader can also work while the drafter runs.
     verify = forward_time(model, mac, hits, constants, n_tokens=spec.draft_len + 1,
