@@ -1,19 +1,13 @@
 """bench/bench_speculative.py's summary: per-prompt medians group a variant's runs by prompt (passes outer, prompts
 inner, the order main() runs them), so a pooled median that falls between prompts' clusters shows as such."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.bench_scripts import load_bench_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_speculative", REPO / "bench" / "bench_speculative.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("bench_speculative")
 
 
 def _run(tps: float, acceptance: float | None = None) -> dict:

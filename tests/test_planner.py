@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from runtime.cli import plan as plan_cli
+from tests.bench_scripts import load_bench_script
 from runtime.cache.budget import BudgetSpec
 from runtime.plan.mac_profiles import GIB, MIB, known_chips, mac_profile, measured_profile
 from runtime.plan.engine_costs import DEFAULT_LAYER_US
@@ -211,13 +210,7 @@ def test_measured_profile_feeds_the_same_model():
 
 
 def test_bench_fit_matches_the_planner_default():
-    spec = importlib.util.spec_from_file_location("validate_planner", REPO / "bench" / "validate_planner.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.modules.pop(spec.name, None)
+    bench = load_bench_script("validate_planner")
     assert bench.fit_sync_ms(bench.ROWS) == pytest.approx(DEFAULT_SYNC_MS_PER_LAYER, abs=0.002)
     assert bench.fit_layer_us(bench.ROWS) == pytest.approx(DEFAULT_LAYER_US, abs=1.0)
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
 from runtime.plan.mac_profiles import GIB, measured_profile
 from runtime.plan.model_costs import model_costs
 from runtime.plan.planner import CostConstants, HitRates, forward_time
+from tests.bench_scripts import load_bench_script
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = {  # the bench's synthetic qwen3_moe: 8 layers x 64 experts, top-4, hidden 256
     "model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 256, "num_hidden_layers": 8,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
@@ -25,14 +22,7 @@ CONTEXT = 40
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_planner_self", REPO / "bench" / "bench_planner_self.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
+    return load_bench_script("bench_planner_self")
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,6 @@ def sweep_cutoff(
     _finish(measured, title, json_path, {"chosen_cutoff": c.setting.cutoff, "reason": c.reason})
     console.print(f"chosen L = {c.setting.cutoff}: {c.reason}", highlight=False)
     if plot:
-
         from runtime.tune import plot_cutoff
 
         plot_cutoff([{"cutoff": m.setting.cutoff, "tokens_per_s": m.tokens_per_s,
