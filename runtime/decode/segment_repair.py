@@ -14,7 +14,7 @@ S is chosen per forward from the recent repair rate r (repairs per forward, aver
 the ratio q of a host sync's cost to one decoder layer's recompute: the expected cost per token,
 r * S / 2 layers recomputed + (L / S - 1) * q, is lowest at S = sqrt(2 q L / r); no segments when
 that is at least L (rare misses), nor with sliding-window caches (their repair path is DevicePass's
-own). q is measured unless given: a host sync's price on this machine (runtime/doctor/sync_probe.py,
+own). q is measured unless given: a host sync's price on this machine (runtime/observe/sync_probe.py,
 probed once per process, the first time segments are considered) over a decoder layer's share of the
 recent one-token forwards' wall time (build to sync, less their boundary syncs; forwards that
 repaired are not timed); SYNC_COST until a forward was timed. On this CPU q comes out ~0.01-0.05; on
@@ -48,7 +48,7 @@ SYNC_COST = 0.05  # q before a forward was timed (a sync ~50 us against ~1-2 ms 
 @functools.lru_cache(maxsize=1)
 def sync_seconds() -> float:
     """One host sync's price on this machine, measured once per process (a few ms)."""
-    from runtime.doctor import host_sync_us  # the doctor's probe (imported here: the doctor imports decode)
+    from runtime.observe import host_sync_us
 
     return host_sync_us(steps=16, rounds=5)["sync_us"] * 1e-6
 

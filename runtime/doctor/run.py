@@ -57,7 +57,7 @@ def run_doctor(*, quick: bool = False, data_dir: Path | None = None, decode: boo
     from runtime.doctor.decode_probe import decode_rows
     from runtime.doctor.projection import machine_rates, project_rows
     from runtime.doctor.ssd_probe import cold_read_gbps
-    from runtime.doctor.sync_probe import FAST_SYNCH_ENV, host_sync_us_subprocess
+    from runtime.observe import FAST_SYNCH_ENV, host_sync_us_subprocess
 
     t0 = time.perf_counter()
     data_dir = Path(data_dir or tempfile.gettempdir())

@@ -3,7 +3,7 @@
 Owns: `Telemetry` (per forward and MoE layer: tokens, unique experts, hits, misses, bytes, stalls),
 routing traces (`RoutingTrace`, zstd on disk), routing analysis against baselines (overlap,
 unique experts per window, independence and uniform references), closed-form routing maths, the
-profile workload and its plot, and the `--json` / console writers every command shares.
+host-sync latency probe, the profile workload and its plot, and the `--json` / console writers every command shares.
 
 Invariants kept at this boundary: telemetry memory is bounded (a fixed number of rounds); observing
 never changes what the model computes; a `--json` file is written whole or not at all.
@@ -21,6 +21,7 @@ from runtime.observe.routing_math import (
     power_law_hit_rate,
     uniform_unique_experts,
 )
+from runtime.observe.sync_probe import FAST_SYNCH_ENV, host_sync_us, host_sync_us_subprocess
 from runtime.observe.telemetry import Telemetry, read_summary
 from runtime.observe.trace import RoutingTrace
 
@@ -29,4 +30,5 @@ __all__ = [
     "LineProgress", "progress_bar", "console",
     "err_console", "fail", "write_json", "expected_tokens_per_round", "fit_power_law_exponent",
     "power_law_hit_rate", "uniform_unique_experts", "Telemetry", "RoutingTrace", "read_summary",
+    "host_sync_us", "host_sync_us_subprocess", "FAST_SYNCH_ENV",
 ]

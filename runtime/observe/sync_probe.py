@@ -60,7 +60,7 @@ def host_sync_us_subprocess(env_updates: dict[str, str], steps: int = 64, rounds
     root = str(Path(__file__).resolve().parents[2])  # the directory holding the runtime package
     env = dict(os.environ, **env_updates)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = ("import json; from runtime.doctor.sync_probe import host_sync_us; "
+    code = ("import json; from runtime.observe.sync_probe import host_sync_us; "
             f"print(json.dumps(host_sync_us({int(steps)}, {int(rounds)})))")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
