@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.tune.replay import allocate_slots, belady, miss_curve, replay
+from runtime.cache import allocate_slots, belady, miss_curve, replay
 
 
 def _seq(*rows):

@@ -6,7 +6,7 @@ import numpy as np
 
 from runtime.cache import DEFAULT_POLICY, SlotTable
 from runtime.cache.decayed_lfu import DecayedLFUPolicy
-from runtime.tune.replay import belady, replay
+from runtime.cache import belady, replay
 from storage import ExpertKey
 
 

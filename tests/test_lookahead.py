@@ -14,7 +14,7 @@ from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.decode.speculative_run import run_speculative
 from runtime.checkpoints.tiny import make_tiny
 from runtime.tune.forecast_replay import replay_prefetch
-from runtime.tune.replay import replay
+from runtime.cache import replay
 from tests.conftest import PROMPT, TINY, greedy_ids
 
 N = 16

@@ -7,8 +7,7 @@ import numpy as np
 from runtime.decode import generate_tokens
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.observe import RoutingTrace
-from runtime.tune.replay import replay
-from runtime.tune.slot_split import split_by_miss_curves
+from runtime.cache import replay, split_by_miss_curves
 from tests.conftest import PROMPT, greedy_ids
 
 

@@ -3,7 +3,9 @@
 Owns: the slot bookkeeping (`SlotTable`), eviction policies, `ExpertCache` (per-layer slabs filled
 by the storage loader, pins, budget), `CachedSwitchGLU` (the drop-in for mlx-lm's `SwitchGLU` that
 reads the slabs), memory budgets (`--budget`) and the `MemoryGovernor` that shrinks the cache under
-memory pressure.
+memory pressure, and offline replay of routing traces through the same policy code (`replay`,
+Belady's MIN `belady`, miss curves, and the per-layer slot split `split_by_miss_curves` the model
+loader applies).
 
 Per MoE layer the cache also keeps a persistent device-side expert -> slot table (`device_tables`,
 updated one entry per commit or eviction) that device passes look slots up in without a host sync
@@ -39,7 +41,9 @@ from runtime.cache.memory_limit import (
 from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.governor import GovernorConfig, MemoryGovernor
 from runtime.cache.policy import DEFAULT_POLICY, POLICIES, make_policy
+from runtime.cache.replay import ReplayResult, allocate_slots, belady, miss_curve, replay, windows_of
 from runtime.cache.slab_switch import check_expert_module, slab_switch_glu
+from runtime.cache.slot_split import coarse_miss_curve, split_by_miss_curves
 from runtime.cache.slot_table import SlotTable
 
 __all__ = [
@@ -47,4 +51,6 @@ __all__ = [
     "parse_budget", "plan_budget", "CachedSwitchGLU", "ContextGovernor", "DEFAULT_PREFILL_STEP", "MemoryLimit",
     "activation_bytes", "apply_memory_limit", "parse_memory_limit", "process_rss", "process_peak_rss", "rss_peak_since_last", "CallStats", "ExpertCache",
     "GovernorConfig", "MemoryGovernor", "DEFAULT_POLICY", "POLICIES", "make_policy", "SlotTable", "check_expert_module", "slab_switch_glu",
+    "ReplayResult", "allocate_slots", "belady", "miss_curve", "replay", "windows_of", "coarse_miss_curve",
+    "split_by_miss_curves",
 ]

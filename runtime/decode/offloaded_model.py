@@ -82,7 +82,7 @@ def _split_slots(plan: BudgetPlan, trace_path: Path, minimum: int, expert_bytes:
     from dataclasses import replace
 
     from runtime.observe import RoutingTrace
-    from runtime.tune import split_by_miss_curves
+    from runtime.cache import split_by_miss_curves
 
     trace = RoutingTrace.load(trace_path)
     slots = split_by_miss_curves(trace, plan.slots, minimum)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.cache import DEFAULT_POLICY
-from runtime.tune.replay import allocate_slots, belady, replay, windows_of
-from runtime.tune.slot_split import coarse_miss_curve
+from runtime.cache import DEFAULT_POLICY, allocate_slots, belady, coarse_miss_curve, replay, windows_of
 from runtime.observe import RoutingTrace
 
 

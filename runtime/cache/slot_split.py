@@ -5,6 +5,8 @@ routing concentrates on a few experts gains little from more slots, one that spr
 lot. split_by_miss_curves() replays a routing trace of the model (`specmoe profile --trace`)
 through the live cache's policy code for a range of slot counts per layer (a coarse grid,
 interpolated) and hands out the same total greedily by largest saving (replay.allocate_slots).
+It lives in the cache package because the model loader applies it (runtime.decode) and the
+cache sweep reports it (runtime.tune); both sit above the cache.
 
 Invariants: the total equals the total given; every layer keeps at least `minimum` slots and
 at most its expert count; a layer the trace does not cover keeps its slots.
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.cache import DEFAULT_POLICY
-from runtime.tune.replay import allocate_slots, replay
+from runtime.cache.policy import DEFAULT_POLICY
+from runtime.cache.replay import allocate_slots, replay
 
 
 def coarse_miss_curve(seqs: list[np.ndarray], n: int, lo: int, window: int, policy: str = DEFAULT_POLICY,

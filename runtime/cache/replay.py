@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.cache import SlotTable
+from runtime.cache.slot_table import SlotTable
 from storage import ExpertKey
 
 
