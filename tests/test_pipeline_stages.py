@@ -16,7 +16,7 @@ import pytest
 from mlx_lm import load as mlx_load
 
 from runtime.pipeline import Stage, StageConfig, balanced_split, explicit_split, store_fingerprint
-from runtime.pipeline.split import check_ranks, layer_of
+from runtime.plan import check_ranks, layer_of
 from storage import ExpertStore
 from tests.conftest import greedy_ids
 

@@ -20,7 +20,7 @@ from runtime.pipeline.generation import PipelineStats, generate_plain
 from runtime.pipeline.launch import PipelineRun, run_generate
 from runtime.pipeline.serving import PipelineBackend, run_serve
 from runtime.pipeline.speculative import PipelineSpeculative, pipeline_predictor
-from runtime.pipeline.split import StageSplit, balanced_split, explicit_split, parse_split
+from runtime.plan import StageSplit, balanced_split, explicit_split, parse_split  # the split is the planner's
 from runtime.pipeline.stage import Stage, StageConfig, plan_split
 from runtime.pipeline.worker import serve_stage
 

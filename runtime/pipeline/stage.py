@@ -29,7 +29,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from runtime.cache import CachedSwitchGLU, ExpertCache, kv_bytes_estimate, parse_budget, plan_budget
 from runtime.decode import WindowReads, check_supported, text_config, top_k
 from runtime.pipeline.stage_pass import stage_pass
-from runtime.pipeline.split import StageSplit, balanced_split, explicit_split, layer_bytes, layer_of
+from runtime.plan import StageSplit, balanced_split, explicit_split, layer_bytes, layer_of
 from storage import AsyncLoader, ExpertStore, LoaderConfig, StoreError
 
 

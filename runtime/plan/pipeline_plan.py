@@ -3,7 +3,7 @@
 A projection, not a measurement. Each rank is projected with the single-Mac cost model
 (runtime.plan.planner: plan_memory, hit_rates, forward_time) applied to its share of the model:
 its MoE layers' experts, their resident weights and KV (rank 0 also the embedding and LM head,
-and the drafter). The split is the runtime's (runtime.pipeline.split: contiguous, balanced by
+and the drafter). The split is the runtime's (runtime/plan/stage_split.py: contiguous, balanced by
 bytes). One decode token runs the stages one after another, so
 
     token_ms = sum over ranks of forward_ms(rank) + N hops * (latency + T*D*2 bytes / link bandwidth)
@@ -27,6 +27,7 @@ from runtime.cache import BudgetSpec
 from runtime.plan.mac_profiles import MacProfile
 from runtime.plan.model_costs import ModelCosts, affine_bytes_per_weight
 from runtime.plan.planner import CostConstants, HitRates, SpecAssumptions, forward_time, hit_rates, plan_memory, project
+from runtime.plan.stage_split import balanced_split
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,6 @@ def head_bytes(config: dict, bits: int = 4, group_size: int = 64) -> int:
 
 def split_layers(model: ModelCosts, n_ranks: int, outside_bytes: int) -> list[int]:
     """MoE layers per rank, balanced by bytes as the runtime splits (rank 0 carries `outside_bytes`)."""
-    from runtime.pipeline import balanced_split
-
     L = model.n_moe_layers
     per_layer = (model.resident_bytes - outside_bytes) / L + model.expert_total_bytes / L
     split = balanced_split([int(per_layer)] * L, n_ranks, outside_bytes)

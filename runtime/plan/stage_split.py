@@ -11,6 +11,8 @@ split; bytes decide whether each Mac fits and at what hit rate.
 
 Invariants: the ranges are contiguous, non-empty, in rank order and cover every
 layer exactly once; more ranks than layers is refused with the numbers in the message.
+It lives in runtime.plan because the planner projects the split the runtime makes
+(runtime/plan/pipeline_plan.py) and runtime.pipeline, above the planner, runs it.
 """
 
 from __future__ import annotations
