@@ -9,7 +9,8 @@ import pytest
 
 from runtime.checkpoints.embedded import embedded_pair
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.observe.profile import analyse, run_workload, trace_of
+from runtime.observe.profile import analyse, trace_of
+from runtime.tune import run_workload
 
 
 def _texts(n_chars: int = 6000) -> list[str]:

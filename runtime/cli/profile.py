@@ -60,7 +60,8 @@ def register(app: typer.Typer) -> None:
     ):
         """Report unique experts per layer per window, overlap vs baselines, hit rates and bytes read."""
         from runtime.decode import OffloadConfig, OffloadedModel
-        from runtime.observe import analyse, read_prompts, read_summary, run_workload, trace_of
+        from runtime.observe import analyse, read_prompts, read_summary, trace_of
+        from runtime.tune import run_workload
         from runtime.observe import RoutingTrace
 
         if num_draft < 1:

@@ -1,17 +1,15 @@
-"""Running a profiling workload and turning its telemetry into a report.
+"""Turning a profiling workload's telemetry into a report: its prompts, its routing trace, the analysis.
 
-The workload: each prompt is one sequence. With max_tokens == 0 the prompt is
-only read (teacher-forced routing on real text, the fixture the routing notes
-recommend); otherwise the model generates, plainly or speculatively (--draft).
+The workload itself decodes, so it runs above the decoder (runtime/tune/profile_run.py); this
+module only reads what telemetry recorded. Invariant: analysing a trace never changes it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+
 from runtime.observe.analysis import layer_report
 from runtime.observe.routing_math import saturation_threshold
 from runtime.observe.trace import RoutingTrace
@@ -27,36 +25,6 @@ def read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompts (expected one prompt per line)")
     return prompts
-
-
-def run_workload(om, prompts: list[str], *, max_tokens: int, draft=None, num_draft: int = 4, predictor: str = "spmoe",
-                 chunk: int = 512, progress=None) -> dict:
-    """Run every prompt; returns speculative stats summed over prompts (empty without --draft)."""
-    tel = om.telemetry
-    spec_totals = {"n_rounds": 0, "n_drafted": 0, "n_accepted": 0, "n_tokens": 0}
-    for prompt in prompts:
-        tel.new_sequence()
-        ids = list(om.tokenizer.encode(prompt))
-        if max_tokens == 0:
-            cache = make_prompt_cache(om.model)
-            for i in range(0, len(ids), chunk):
-                om.label_round("prefill")
-                mx.eval(om.model(mx.array(ids[i : i + chunk])[None], cache=cache))
-        elif draft is None:
-            from runtime.decode import generate_tokens  # decode reports to observe: import at use, no cycle
-
-            generate_tokens(om.model, ids, max_tokens=max_tokens, om=om)
-        else:
-            from runtime.decode import run_speculative
-
-            _, stats, _ = run_speculative(om, draft, ids, max_tokens=max_tokens, num_draft=num_draft,
-                                          predictor=predictor, cutoff=None)
-            for k in spec_totals:
-                spec_totals[k] += getattr(stats, k)
-        om.end_round()
-        if progress:
-            progress(1)
-    return spec_totals if draft is not None and max_tokens else {}
 
 
 def trace_of(om) -> RoutingTrace:
