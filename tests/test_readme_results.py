@@ -1,12 +1,14 @@
-"""Every number-bearing table in README.md's "Measured" sections points to a result file that exists
-and that bench/run_all.sh writes; and every line of run_all.sh names a bench or command that exists.
+"""Every measured number in README.md and docs/benchmarks.md has a result file behind it.
 
-A table is a fenced block or a markdown table with a digit in it. Its citation is a
-`bench/results/NAME` (or a bare NAME.txt/NAME.json that exists there) in the text since the previous
-table of its subsection (heading included; back-to-back tables share it) or in the paragraph right
-after it. README sections that a
-pending section file in docs/readme/ replaces (same heading) are checked in that file instead: the lead
-merges those files into README.md.
+- Every number-bearing table of docs/benchmarks.md, and the README's headline table, cites a
+  `bench/results/NAME` (or a bare NAME.txt/NAME.json that exists there). A table's citation is in the
+  text since the previous table of its section (heading included; back-to-back tables share it) or in
+  the paragraph right after it.
+- Every result file cited anywhere in README.md or docs/*.md exists, and bench/run_all.sh writes it
+  (unless the file says on its first line that it is an earlier run kept for comparison).
+- Where a citation carries a date ("memory.txt`, 2026-12-02" or "(bench/results/memory.txt) (2026-12-02"),
+  it is the date the file's first line records, when the file records one.
+- Every line of run_all.sh names a bench or command that exists.
 """
 
 from __future__ import annotations
@@ -39,23 +41,20 @@ def cited_files(text: str) -> list[str]:
     return names
 
 
-def _subsections(markdown: str) -> list[tuple[str, list[str]]]:
-    """(heading, lines) of every subsection of a level-2 section whose heading says "Measured", and of
-    every heading that itself says "Measured"."""
+def _subsections(markdown: str, wanted) -> list[tuple[str, list[str]]]:
+    """(heading, lines) of every level-2 section whose heading `wanted(heading)` accepts, split at its
+    level-3 headings."""
     out, inside, current = [], False, None
     for line in markdown.splitlines():
         if line.startswith("## "):
-            inside = "Measured" in line
+            inside = wanted(line)
             current = (line, []) if inside else None
             if current:
                 out.append(current)
             continue
-        if line.startswith("### "):
-            if inside or "Measured" in line:
-                current = (line, [])
-                out.append(current)
-            else:
-                current = None
+        if line.startswith("### ") and inside:
+            current = (line, [])
+            out.append(current)
             continue
         if current is not None:
             current[1].append(line)
@@ -85,10 +84,10 @@ def tables(lines: list[str]) -> list[tuple[int, int]]:
     return spans
 
 
-def uncited_tables(markdown: str) -> list[str]:
+def uncited_tables(markdown: str, wanted=lambda heading: "Measured" in heading) -> list[str]:
     """Headings (with the table's first line) of tables no result file is cited for."""
     bad = []
-    for heading, lines in _subsections(markdown):
+    for heading, lines in _subsections(markdown, wanted):
         prev_end, prev_context = -1, ""
         for first, last in tables(lines):
             between = lines[prev_end + 1:first]
@@ -106,30 +105,43 @@ def uncited_tables(markdown: str) -> list[str]:
     return bad
 
 
-def _pending_replacements() -> dict[str, str]:
-    """Level-3 headings of docs/readme/*.md section files -> that section's text."""
-    out = {}
-    for f in sorted((ROOT / "docs" / "readme").glob("*.md")):
-        text = f.read_text()
-        for heading, lines in _subsections("## Measured here\n" + text):
-            if heading.startswith("### "):
-                out[heading] = "## Measured here\n" + heading + "\n" + "\n".join(lines)
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def _benchmarks() -> str:
+    return (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def _all_docs() -> str:
+    return "\n".join(f.read_text() for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
+_HEADLINE = staticmethod(lambda heading: "Headline measurements" in heading).__func__
+_ANY_BUT_METHOD = staticmethod(lambda heading: "How to read" not in heading).__func__
+_DATE_AFTER = re.compile(r"^(?:\]\([^)\s]*\))?[`*]*[,;]?\s*\(?(\d{4}-\d{2}-\d{2})")
+_FILE_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})T\d{2}:\d{2}Z|\((\d{4}-\d{2}-\d{2}) \d{2}:\d{2} UTC\)|; (\d{4}-\d{2}-\d{2})$")
+
+
+def dated_citations(text: str) -> list[tuple[str, str]]:
+    """(file name, date) for every citation followed by a date: `memory.txt`, 2026-12-02 or
+    [memory.txt](bench/results/memory.txt) (2026-12-02, ...)."""
+    out = []
+    for m in re.finditer(r"([\w{},.-]+\.(?:txt|json|smtrace))", text):
+        d = _DATE_AFTER.match(text[m.end():m.end() + 80])
+        if d:
+            out += [(name, d.group(1)) for name in _expand(Path(m.group(1)).name)]
     return out
 
 
-def _readme_to_check() -> str:
-    """README.md with the sections a pending docs/readme/ file replaces swapped for that file's text
-    (section files' new sections are checked once merged)."""
-    readme = (ROOT / "README.md").read_text()
-    measured = {h for h, _ in _subsections(readme)}
-    pending = {h: t for h, t in _pending_replacements().items() if h in measured}
-    keep, skipping = [], False
-    for line in readme.splitlines():
-        if line.startswith("## ") or line.startswith("### "):
-            skipping = line in pending
-        if not skipping:
-            keep.append(line)
-    return "\n".join(keep) + "\n" + "\n".join(pending.values())
+def file_date(name: str) -> str | None:
+    """The date a result file's first line records, if it records one."""
+    path = RESULTS / name
+    if not path.exists() or path.suffix not in (".txt",):
+        return None
+    first = path.read_text(errors="replace").split("\n", 1)[0]
+    m = _FILE_DATE.search(first)
+    return next((g for g in m.groups() if g), None) if m else None
 
 
 def run_all_outputs() -> set[str]:
@@ -142,16 +154,40 @@ def test_the_table_parser_finds_tables_and_their_citations():
     md = ("## Measured here\n### A\n```\nx 1.0\n```\n### B (`bench/results/memory.txt`)\n```\ny 2\n```\n"
           "| a | b |\n|---|---|\n| 1 | 2 |\nfrom `hotpath.txt`\n## Other\n```\nz 3\n```\n")
     assert uncited_tables(md) == ["### A | x 1.0"]
+    assert uncited_tables(md, lambda heading: True) == ["### A | x 1.0", "## Other | z 3"]
     assert cited_files("`bench/results/hotpath_speculative_{0,1}ms.txt`") == [
         "hotpath_speculative_0ms.txt", "hotpath_speculative_1ms.txt"]
 
 
-def test_every_measured_table_in_the_readme_cites_a_result_file():
-    assert uncited_tables(_readme_to_check()) == []
+def test_the_date_parser_reads_both_citation_forms():
+    text = ("[memory.txt](bench/results/memory.txt) (2026-12-02, 0.8) and `bench/results/speculative_emulated_{1,2}ms.txt`,"
+            " 2026-12-03, load 1; `hotpath_decode.txt`\n(2026-12-04, 1.0); `tune.txt` says nothing")
+    assert dated_citations(text) == [("memory.txt", "2026-12-02"), ("speculative_emulated_1ms.txt", "2026-12-03"),
+                                     ("speculative_emulated_2ms.txt", "2026-12-03"), ("hotpath_decode.txt", "2026-12-04")]
+    assert file_date("memory.txt") is not None
+
+
+def test_the_readme_headline_table_cites_a_result_file_on_every_row():
+    sections = _subsections(_readme(), _HEADLINE)
+    assert sections, "README.md has no 'Headline measurements' section"
+    rows = [line for _, lines in sections for line in lines if line.startswith("|") and re.search(r"\d", line)]
+    assert len(rows) >= 5
+    assert [row[:60] for row in rows if not cited_files(row)] == []
+    assert uncited_tables(_readme(), _HEADLINE) == []
+
+
+def test_every_table_in_the_benchmarks_page_cites_a_result_file():
+    assert uncited_tables(_benchmarks(), _ANY_BUT_METHOD) == []
+
+
+def test_the_dates_beside_citations_are_the_files_own():
+    wrong = sorted({(name, date, file_date(name)) for name, date in dated_citations(_all_docs())
+                    if file_date(name) not in (None, date)})
+    assert wrong == []
 
 
 def test_every_cited_result_file_exists_and_run_all_writes_it():
-    cited = set(cited_files(_readme_to_check()))
+    cited = set(cited_files(_all_docs()))
     assert cited, "no result file cited at all: the parser is broken"
     missing = sorted(c for c in cited if not (RESULTS / c).exists())
     assert missing == []
