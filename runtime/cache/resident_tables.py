@@ -12,10 +12,13 @@ lookup at all: its codes are the router's ids.
 
 Invariants:
 - No slot a pending (not yet evaluated) device-lookup graph may read is overwritten: the
-  decoder hold()s every layer before it builds such a graph and release()s after its one sync;
-  while held, a layer's valid experts are neither evicted (reserve() takes only free slots) nor
-  trimmed by a shrink. A commit during a hold only turns an absent code into a slot whose bytes
-  are written.
+  decoder hold()s a layer before it builds a graph that takes the layer's ids as slots (the slot
+  numbers are in the graph from then on), before it queues any other graph reading it, and
+  release()s after that graph's sync; while held, a layer's valid experts are neither evicted
+  (reserve() takes only free slots) nor trimmed by a shrink. A commit during a hold only turns an
+  absent code into a slot whose bytes are written.
+- ids_are_slots() is cached on the SlotTable's version, which changes with every lookup code and
+  every usable range (a shrink whose trim waits for a hold included): never a stale answer.
 - load_absent() returns only when every requested expert is valid, or raises, and leaves
   nothing pinned either way. It records no hits or misses: record_forward() does, once per
   forward, after the forward has been accepted.
@@ -56,7 +59,8 @@ class ResidentTables:
     def ids_are_slots(self, layer: int) -> bool:
         """Whether every expert of `layer` is valid in the slot numbered like it (lookup codes == expert ids,
         as a warm start leaves a layer whose slots hold all its experts): a device lookup may then use the
-        router's ids as slots, none absent. Recomputed only when some lookup code changed."""
+        router's ids as slots, none absent. Recomputed only when some lookup code or usable range changed. A caller
+        that builds a graph on this answer holds the layer first (the hold keeps the answer true until release)."""
         with self._lock:
             if self._ids_are_slots[0] != self.table.version:
                 self._ids_are_slots = (self.table.version, frozenset(

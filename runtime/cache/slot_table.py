@@ -19,7 +19,8 @@ absence and names the expert). It changes when a load commits (absent -> slot) a
 expert is evicted or dropped (slot -> absent), never otherwise, so ExpertCache can hand it to
 the device as the lookup table of lazily built forwards. While a layer is held (a forward
 that looks slots up on the device is pending), no valid expert of it is evicted or trimmed:
-reserve() only takes free slots.
+reserve() only takes free slots. `version` changes with every change of a layer's lookup codes or
+usable range (a shrink whose trim waits for a hold too), so an answer cached on it is never stale.
 Not thread-safe by itself: ExpertCache serialises access with its lock.
 """
 
@@ -90,7 +91,7 @@ class SlotTable:
         self.policy_name = policy
         self.evictions = 0  # experts dropped from a valid slot, all layers (evict, trim, clear): while it is
         # unchanged, every expert keeps the slot it had (record_slots() may take slots read earlier as current)
-        self.version = 0  # changes whenever any layer's lookup codes (`resident`) change
+        self.version = 0  # changes whenever any layer's lookup codes (`resident`) or usable range change
         self.layers = {layer: LayerSlots(n_experts[layer], slots[layer], policy, None if resident is None else
                                          resident(layer, LayerSlots.absent_codes(n_experts[layer], slots[layer])))
                        for layer in slots}
@@ -229,6 +230,8 @@ class SlotTable:
         ls = self.layers[layer]
         if not 1 <= n <= ls.n_slots:
             raise ValueError(f"layer {layer}: usable slots {n} outside 1..{ls.n_slots}")
+        if n != ls.usable:
+            self.version += 1  # cached answers that depend on the usable range (ids_are_slots) are stale now
         ls.usable = n
         return self.trim(layer)
 

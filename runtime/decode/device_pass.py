@@ -34,7 +34,8 @@ eviction choices see every earlier use.
 
 Invariants: a forward is returned only when every routed expert it read was resident (the same
 slots, kernels and weights as the synced path: bit-identical output); no slot a pending graph
-may read is overwritten (hold/release around every build); modules leave device mode and the
+may read is overwritten (held from its build, or a next forward's table-lookup layers from before it is queued, to
+its sync); modules leave device mode and the
 holds are released when launch()/finish() return or raise.
 """
 
@@ -74,6 +75,7 @@ class _Launch:
     stages: list = field(default_factory=list)  # a staged forward's (layer, indices, codes, ahead), in layer order
     route: tuple = (frozenset(), False, False)  # (route layers, route-ahead on, staged) it was built with
     to_hold: frozenset = frozenset()  # layers it will hold, not held yet (built before it could be queued)
+    queued: bool = True  # whether it was queued (or a staged one's first route sync) when built
 
 
 class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
@@ -99,6 +101,7 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         self.max_repairs = max_repairs or len(self.modules) + 1
         self.stats = PassStats()
         self.lookup_layers: frozenset = frozenset()  # read by the modules while in device mode
+        self.build_held: frozenset = frozenset()  # layers the forward being built holds (may take ids as slots)
         self._launch: _Launch | None = None
         self._host: dict = {}  # layer -> (ids (T, k), codes (T, k))
         self._synced: dict[int, tuple[np.ndarray, list]] = {}  # layer -> (ids, CallStats) of synced calls
@@ -186,11 +189,14 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
         started = time.perf_counter()
         self.route_layers, self.ahead_on, self.route_staged = route
         staged = route[2]
-        # A forward holds its layers while it may run: from its queueing (a staged one: from its first route sync)
-        # to its sync. Before that it holds none: the pending forward's reads (between its route syncs, or its
-        # repairs) may evict in any layer while this one is built.
-        held = self.lookup_layers if queue and not staged else frozenset()
-        to_hold = frozenset() if held else self.lookup_layers
+        # A forward holds its layers from the moment anything may read them to its sync: one queued at once (a
+        # staged one too: its prefix runs once queued) from its build; a next forward, queued when it becomes
+        # pending, holds from its build only the layers whose ids it takes as slots (their slot numbers are baked
+        # into its graph), the others from its queueing: the pending forward's reads (route syncs, repairs) may
+        # evict in those while it is built, and never read in a layer whose every expert sits in its own slot.
+        held = self.lookup_layers if queue else frozenset(l for l in self.lookup_layers if self.cache.ids_are_slots(l))
+        to_hold = self.lookup_layers - held
+        self.build_held = held  # the modules take ids as slots only in these layers (runtime/cache/cached_switch.py)
         self._records, self._seg_start, self._cur = [], 0, (cache, snapshot, n_tokens, held)
         self._stages = []
         self.cache.hold(held)
@@ -212,10 +218,10 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
             self.cache.release(held)
             raise
         finally:
-            self._records, self._cur, self._stages = [], None, []
+            self._records, self._cur, self._stages, self.build_held = [], None, [], frozenset()
         self.stats.layer_calls += len(layers)
         return _Launch(forward, cache, n_tokens, snapshot, out, packed, layers, shapes, held, started, stages, route,
-                       to_hold)
+                       to_hold, queue)
 
     @staticmethod
     def _pack(records: list) -> mx.array:
@@ -228,9 +234,9 @@ class DevicePass(SegmentRepair, NextForward, RouteSync, ForwardCalls):
     def _sync(self, launch: _Launch) -> list[int]:
         """The host sync of a built forward; returns the MoE layers with an absent expert."""
         try:
-            if launch.to_hold:  # built before it could be held (staged, or while the previous forward computed)
+            if launch.to_hold:  # built before it could be queued (while the previous forward computed)
                 self.cache.hold(launch.to_hold)
-                launch.held, launch.to_hold = launch.to_hold, frozenset()
+                launch.held, launch.to_hold = launch.held | launch.to_hold, frozenset()
             if launch.stages:  # staged: its route syncs first, each before its layer's experts run
                 self.run_stages(launch.stages, launch.held)
             if self._pacer is not None:  # the next forward's last layers are built while this one ends

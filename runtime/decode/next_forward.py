@@ -29,7 +29,8 @@ made current again after, so n's repair still skips the layers before its first 
 
 Invariants: at most one next forward; it exists only between launch_next() and the pending
 forward's finish(); a queued one holds its layers from its queueing to its own sync (or its drop), one not
-queued yet holds none; dropping it leaves every cache as forward n left it, and so does a build of it that
+queued yet holds only the layers whose ids it took as slots (from its build: their slot numbers are in its
+graph), and the rest from before any of it is queued; dropping it leaves every cache as forward n left it, and so does a build of it that
 raised midway (its first layers' caches are rolled back to where they stood); with no repair, the tokens and
 every counter are those of building forward n+1 after n's sync.
 """
@@ -153,14 +154,16 @@ class NextForward:
         self._launch = built
         self.replay.resume(state)
         self.stats.routed += bool(built.route[0])  # counted when pending, as launch() counts (a dropped one never is)
-        if built.stages or built.to_hold:  # not queued yet: its forward time starts now
+        if not built.queued:  # its forward time starts now
             built.started = time.perf_counter()
-        if built.stages:  # staged: queued now, up to its first route sync (its sync holds its layers)
-            self._queue_stage(built.stages[0])
-        elif built.to_hold:  # built while a staged forward synced: held and queued now
+        if built.to_hold:  # held before any of it is queued: a shrink applied from now on waits for its sync
             self.cache.hold(built.to_hold)
-            built.held, built.to_hold = built.to_hold, frozenset()
+            built.held, built.to_hold = built.held | built.to_hold, frozenset()
+        if built.stages:  # staged: queued now, up to its first route sync
+            self._queue_stage(built.stages[0])
+        elif not built.queued:  # built while the pending forward computed: queued now
             mx.async_eval(built.out, [] if built.packed is None else built.packed, self.ahead.arrays())
+        built.queued = True
         self._syncs0 = self.cache.host_syncs
         self._loaded, self._forward_repairs, self._bsyncs0 = {}, 0, self.stats.boundary_syncs
         self.stats.passes += 1

@@ -55,9 +55,10 @@ no slot as prefetches after this layer's own reads, inside the same release of t
 Invariants: a routed layer runs only on codes that name resident experts (only the forward's unrouted layers
 can be missing at its sync, and a repair recomputes from the first of them); the codes recorded for the pass
 are the ones each layer ran with; reads happen only with no graph pending that reads a slot (the hold is
-released exactly around them). A staged forward holds nothing while it is built and nothing of it is queued but
-its first route sync (its layers are held from its first route sync to its own sync); no forward built on its
-output is queued before its syncs end.
+released exactly around them). A staged forward holds its layers from before any of it is queued (its first
+route sync's prefix runs experts) to its own sync, so a shrink applied in between (usable_now()) waits for that
+sync; nothing of it is queued but its first route sync; no forward built on its output is queued before its
+syncs end.
 """
 
 from __future__ import annotations

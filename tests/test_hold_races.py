@@ -1,0 +1,133 @@
+"""Two interleavings of a memory-governor shrink with pipelined forwards that once produced wrong tokens, unflagged.
+
+A layer whose every expert sits in the slot numbered like it (a 100% budget, or a per-layer split that leaves one
+layer whole) takes its router's ids as slots (runtime/cache/cached_switch.py, ids_are_slots): the slot numbers are
+baked into the graph when the forward is built, and nothing flags them later. So the layer must be held (nothing
+trimmed, evicted or zeroed) from that build to the forward's sync.
+
+- Built early, queued late: while forward A is pending, forward B is built on A's lazy output and queued only when
+  it becomes pending (next_forward.py, while repairs are frequent). A shrink lands before or after B's build; A's
+  sync releases its hold and the deferred trim zeroes the slots B baked.
+- A staged forward's prefix: a routed forward is queued up to its first route sync (route_sync.py); a shrink
+  applied by the next usable_now() trims the slots its earlier layers read before its sync holds them. The device
+  is modelled as slow (mx.async_eval queues nothing; the graph runs at the next sync), a legal schedule.
+
+Each test compares every token with stock mlx-lm; on the code before the fix each produced other tokens with no
+repair of the affected forward.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+import runtime.decode.device_pass as device_pass
+import runtime.decode.next_forward as next_forward
+import runtime.decode.route_sync as route_sync
+from runtime.decode import offloaded_generate_step
+from runtime.decode.device_pass import DevicePass
+from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
+from runtime.decode.warm import warm_start
+from tests.conftest import PROMPT, greedy_ids
+from tests.pass_helpers import pass_idle
+
+N = 16
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_dirs):
+    model, tok = load(str(tiny_dirs["qwen3_moe"]))
+    return greedy_ids(model, tok.encode(PROMPT), N)
+
+
+def _tokens(om, dp, on_token=None, usable=None) -> list[int]:
+    warm_start(om)
+    om.cache.settle_inflight()
+    if usable is not None:
+        om.cache.set_usable_slots(usable)
+    gen = offloaded_generate_step(om, mx.array(om.tokenizer.encode(PROMPT)), max_tokens=N,
+                                  sampler=lambda x: mx.argmax(x, axis=-1), device_pass=dp,
+                                  after_prefill=om.cache.settle_inflight)
+    out = []
+    for token, _ in gen:
+        out.append(token)
+        if on_token is not None:
+            on_token(len(out))
+    return out
+
+
+class _SlowDevice:
+    """mlx.core as the decode modules see it, with mx.async_eval queueing nothing: a queued graph runs at the next
+    mx.eval, as a device busy with earlier work would run it. Every other name is mlx.core's."""
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    @staticmethod
+    def async_eval(*_):
+        return None
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_shrink_around_an_unqueued_next_forward_keeps_stock_tokens(tiny_dirs, stock, monkeypatch, when):
+    """100% budget, every layer ids-are-slots. The next forward is built but queued only when promoted (the repair
+    rate gate closed, as while repairs are frequent); the governor's shrink to top-k slots lands just before or
+    just after its build, while the pending forward holds every layer."""
+    monkeypatch.setattr(next_forward, "NEXT_MAX_REPAIR_RATE", -1.0)
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
+    real, seen = DevicePass.launch_next, {"n": 0, "repairs": None}
+
+    def launch_next(self, make_forward):
+        seen["n"] += 1
+        shrink = seen["n"] == 3
+        if shrink and when == "before":
+            om.cache.request_usable_slots(om.cache.min_usable)
+            om.cache.usable_now()  # applied here, as the decode loop's next usable_now() applies it
+        built = real(self, make_forward)
+        if shrink and when == "after":
+            om.cache.request_usable_slots(om.cache.min_usable)
+            om.cache.usable_now()
+        if shrink:
+            seen["repairs"] = self.stats.repairs
+        return built
+
+    monkeypatch.setattr(DevicePass, "launch_next", launch_next)
+    try:
+        dp = DevicePass(om)
+        got = _tokens(om, dp)
+        assert om.cache.resize_stats.n_shrinks > 0 and dp.stats.next_built > 0
+        assert got == stock, f"tokens {got} vs stock {stock}; repairs before the shrink {seen['repairs']}, " \
+                             f"after {dp.stats.repairs}"
+        assert pass_idle(om)
+    finally:
+        om.close()
+
+
+@pytest.mark.parametrize("at", [3, 4])
+def test_a_shrink_while_a_staged_prefix_is_queued_keeps_stock_tokens(tiny_dirs, stock, monkeypatch, at):
+    """A per-layer split: the first MoE layer keeps all its experts in order (ids are slots), the others 8 of 32
+    slots, so they miss, route and their forwards are staged. After token `at` (a staged forward queued up to its
+    first route sync), the governor shrinks every layer to 8 slots; the device is slow."""
+    for module in (device_pass, next_forward, route_sync):
+        monkeypatch.setattr(module, "mx", _SlowDevice())
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
+    try:
+        layers = om.moe_layers
+        dp = DevicePass(om, segment="auto")
+        state = {}
+
+        def on_token(n):
+            if n == at:
+                state["staged"] = dp._launch is not None and bool(dp._launch.stages)
+                state["repairs"] = dp.stats.repairs
+                om.cache.request_usable_slots(8)
+                om.cache.usable_now()
+
+        got = _tokens(om, dp, on_token, {l: om.cache.n_slots(l) if l == layers[0] else 8 for l in layers})
+        assert state["staged"] and dp.stats.route_syncs > 0  # the shrink landed while a staged forward was queued
+        assert got == stock, f"tokens {got} vs stock {stock}; repairs before the shrink {state['repairs']}, " \
+                             f"after {dp.stats.repairs}"
+        assert pass_idle(om)
+    finally:
+        om.close()
