@@ -52,7 +52,7 @@ def fault_rows(root: Path, paths: dict, drafter) -> tuple[list[str], int]:
         failed += verdict != "ok"
         tokens, expected, err = out["tokens"], out["expected"], out["error"]
         if err is not None:
-            outcome = f"stopped after {len(tokens)}/{len(expected)} tokens (all correct): `{_short(err, root)}`"
+            outcome = f"ended after {len(tokens)}/{len(expected)} tokens (all correct): `{_short(err, root)}`"
         elif tokens == expected:
             outcome = f"{len(tokens)}/{len(expected)} tokens identical to the fault-free run"
         else:
