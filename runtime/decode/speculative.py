@@ -111,7 +111,7 @@ class SpecStats:
     window_reads: WindowReads = field(default_factory=WindowReads)  # verify reads by the window tokens that needed them
     per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
     prefetch_layers: list[int] = field(default_factory=list)  # the MoE layers forecasts were prefetched for
-    counters: dict[str, float] = field(default_factory=dict)  # cache/loader counter deltas over the rounds
+    counters: dict[str, float] = field(default_factory=dict)  # cache/loader counter deltas over the rounds; levels (usable_slots, returns_memory) at the end
     prefill: PrefillStats | None = None  # the prompt (all tokens but the last): tokens/s, reads, bytes
 
     @property
@@ -392,4 +392,4 @@ class SpeculativeDecoder:
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.n_tokens += n_out
             c1 = self.target.counters()
-            self.stats.counters = {k: c1[k] - c0[k] for k in c1}
+            self.stats.counters = {k: c1[k] if k in ("usable_slots", "returns_memory") else c1[k] - c0[k] for k in c1}
