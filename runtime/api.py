@@ -4,11 +4,28 @@
     engine = load("~/models/q3.specmoe", budget="40%", draft="~/models/Qwen3-0.6B-4bit")
     for r in stream_generate(engine, "Hello", max_tokens=64):
         print(r.text, end="", flush=True)
-    print(r.stats)          # hit rate, misses, bytes read, acceptance, tokens/s
+    print(r.stats.tokens_per_s, r.stats.hit_rate, r.stats.prefill.seconds)
+    print(engine.totals().bytes_read, engine.plan.slots)
 
-`load` opens the model with its routed experts paged from disk into a budgeted cache (and the
-drafter, if given); `stream_generate` yields one `GenerationResponse` per emitted token, plain or
-speculative, each carrying the run's statistics so far; `generate` returns the text.
+`load` takes every engine setting (budget, drafter, one-sync decoding, I/O, memory limit, ...) and
+opens the model with its routed experts paged from disk into a budgeted cache (and the drafter, if
+given); `stream_generate` takes the per-call settings (sampling, prompt cache, warm start) and
+yields one `GenerationResponse` per emitted token, plain or speculative, each carrying one
+`RunStats` (runtime/run_stats.py: decode-only rates, a prefill and a decode part, the drafter's
+part); `generate` returns the text. `Engine.totals()` gives the running totals since load
+(lookups, reads, bytes, host syncs, usable slots) and `Engine.plan` what the budget became (bytes
+and slots per MoE layer). docs/json.md documents every field.
+
+Your own token loop: `engine.model.model` is the mlx-lm model whose MoE layers read the expert
+cache, so `model(ids[None], cache=make_prompt_cache(model))` or mlx-lm's `generate_step` over it
+gives the resident model's tokens (lossless), and totals and the plan still count. It skips what
+`stream_generate` adds around the model: one host sync per token (each MoE layer reads its routing
+back instead, one sync per layer, which also stops mlx-lm's async pipelining of the next step),
+the repair of absent experts and the routed layers' early syncs (and `route_ahead` prefetch,
+which rides on them), the warm start (a full budget's experts read up front, or `warm`), the
+memory limit's KV accounting (slots given back as the KV grows; prefill chunks sized to fit), the
+drafter (speculative decoding and its prefetch) and RunStats. The lookahead set at load, expert-
+major prefill, caching and the memory governor stay on: they live in the MoE layers and the cache.
 
 Invariants: a prompt string is tokenized as given (apply a chat template yourself, as with
 mlx-lm); greedy output equals the resident mlx-lm model's; every call starts a fresh KV cache and
@@ -18,7 +35,6 @@ however it ends (exhausted, closed early, or raising).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -26,8 +42,14 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from runtime.cache import DEFAULT_POLICY, GovernorConfig
+from runtime.cache import DEFAULT_POLICY, BudgetPlan, GovernorConfig
 from runtime.decode import OffloadConfig, OffloadedModel, load_drafter, release_drafter, speculative_decoder, stream_tokens
+from runtime.run_stats import PhaseStats, RunMeter, RunStats, SpeculativeStats, Totals
+
+__all__ = ["load", "stream_generate", "generate", "Engine", "GenerationResponse", "DraftSettings", "RunStats",
+           "PhaseStats", "SpeculativeStats", "Totals"]
+
+ONE_SYNC = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -35,7 +57,7 @@ class DraftSettings:
     path: Path  # drafter directory (an mlx-lm model sharing the target's tokenizer)
     num_draft: int  # K: tokens proposed per round
     predictor: str  # expert forecaster: none, previous, popularity, spmoe, oracle
-    cutoff: int | None  # prefetch for the first `cutoff` MoE layers; None: all, 0: none
+    cutoff: int  # prefetch for the first `cutoff` MoE layers; the MoE layer count: all, 0: none
     projection: Path | None = None  # drafter->target projection file (spmoe); None: next to the target
     forecast_k: int | None = None  # experts taken per window token by spmoe; None: the target's k
     max_prefetch_bytes: int | None = None  # cap on prefetch reads per round; None: the cache itself
@@ -46,18 +68,32 @@ class DraftSettings:
 
 @dataclass
 class Engine:
-    """What `load` returns and `stream_generate` / `generate` take."""
+    """What `load` returns and `stream_generate` / `generate` take: the model and its engine settings.
+
+    `model.model` is the paged mlx-lm model for a token loop of your own; what that loop loses
+    against `stream_generate` is listed in this module's docstring (and docs/json.md)."""
 
     model: OffloadedModel  # the target, experts paged through its cache
     draft: DraftSettings | None = None  # speculative decoding when set
     notes: list[str] = field(default_factory=list)  # where settings came from (tuning.json, defaults)
     policy: str = DEFAULT_POLICY  # the expert cache's eviction policy
+    one_sync: str = "auto"  # decode steps and verify passes: "auto"/"on" one host sync per forward, "off" one per MoE layer
     _draft_model: object = None
     _draft_config: dict | None = None
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
+
+    @property
+    def plan(self) -> BudgetPlan:
+        """What the budget became: `budget_bytes`, `slots` (MoE layer -> expert slots), `fraction` of all
+        expert bytes, `min_bytes` (the smallest budget that runs), `breakdown` (how "auto" was computed)."""
+        return self.model.plan
+
+    def totals(self) -> Totals:
+        """Running totals since load, over every call (runtime/run_stats.py: Totals)."""
+        return Totals.of(self.model)
 
     def close(self) -> None:
         self.model.close()
@@ -70,28 +106,13 @@ class Engine:
 
 
 @dataclass(frozen=True)
-class RunStats:
-    """Running statistics of one stream_generate call, up to the response that carries them."""
-
-    prompt_tokens: int  # tokens in the prompt
-    prompt_tps: float  # prompt tokens / time to the first emitted token
-    generation_tokens: int  # tokens emitted so far
-    generation_tps: float  # tokens after the first / time since the first
-    hit_rate: float  # unique experts found resident / requested, since the call started
-    misses: int  # experts read on demand since the call started
-    bytes_read: int  # bytes read from disk since the call started (demand + prefetch)
-    acceptance: float | None  # accepted / drafted tokens (speculative), None when plain
-    peak_memory_gb: float  # MLX allocator peak, GB
-    prompt_bytes_read: int = 0  # bytes read up to the first token (the prefill; detail.prefill has reads per expert)
-
-
-@dataclass(frozen=True)
 class GenerationResponse:
     text: str  # the next segment of decoded text (may be empty)
     token: int  # the emitted token id
-    stats: RunStats  # the run so far
+    stats: RunStats  # the run so far: decode-only rates, prefill and decode parts, the drafter's part
     finish_reason: str | None = None  # "stop" (end of sequence), "length" (max_tokens) or None
-    detail: object = None  # last response only: GenerationStats (plain) or SpecStats (speculative)
+    detail: object = None  # last response only: the decoder's own record, for diagnostics (GenerationStats
+    # when plain, SpecStats when speculative; its fields differ by decoder: `stats` is the one shape)
 
 
 def load(model: str | Path, budget: str = "auto", draft: str | Path | None = None, *, num_draft: int | None = None,
@@ -101,7 +122,7 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
          memory_limit: str | None = "auto", context_tokens: int = 4096,
          adaptive_k: bool = True, lookahead: int | None = None, lookahead_experts: int | None = None,
-         slot_trace: str | Path | None = None, route_ahead: str | None = None) -> Engine:
+         slot_trace: str | Path | None = None, route_ahead: str | None = None, one_sync: str = "auto") -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
@@ -117,7 +138,12 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     `route_ahead` ("off", "on", "auto"): routed decode steps also prefetch the next layers' forecast experts at
     each layer's sync (runtime/decode/route_ahead.py; "auto": while reads take >= 0.25 ms each); None: the tuned
     setting with a drafter, else off.
+    `one_sync` ("auto", "on", "off"): decode steps and verify passes look experts up on the device with one host
+    sync per forward, repaired when one was absent ("auto" also syncs early at layers that keep missing); "off":
+    one sync per MoE layer.
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
+    if one_sync not in ONE_SYNC:
+        raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
     notes = []
     settings = None
     from runtime.tune import resolve_forecast_experts, resolve_lookahead, resolve_route_ahead
@@ -145,7 +171,11 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
                                                   drafter_bytes=_weights_bytes(draft) if draft is not None else 0,
                                                   slot_trace=Path(slot_trace) if slot_trace else None,
                                                   route_ahead=route_ahead))
-    engine = Engine(om, settings, notes, policy or DEFAULT_POLICY)
+    if settings is not None and settings.cutoff is None:  # all layers, said as the count (as --json reports it)
+        from dataclasses import replace
+
+        settings = replace(settings, cutoff=len(om.moe_layers))
+    engine = Engine(om, settings, notes, policy or DEFAULT_POLICY, one_sync)
     if settings is None and lookahead:
         om.set_lookahead(lookahead, lookahead_experts)
     if settings is not None:
@@ -164,7 +194,7 @@ def _weights_bytes(path: str | Path) -> int:
 
 def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 256, *, temp: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                    one_sync: str = "auto", progress=None, prompt_cache=None,
+                    one_sync: str | None = None, progress=None, prompt_cache=None,
                     kv_bits: int | None = None, warm: str | None = None) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per emitted token; the last has finish_reason set. `progress`
     (a runtime.observe.PrefillProgress) shows the prompt's processing; the last response's
@@ -172,7 +202,8 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
     (runtime.decode.PromptCache, plain decoding only) keeps a conversation's KV cache and state: a
     prompt that extends what it holds prefills only the new tokens. `kv_bits` (plain decoding) quantizes the
     KV cache as mlx-lm does. `warm`: a routing trace or expert-counts JSON to fill a partial cache from
-    before decoding (a full budget always is)."""
+    before decoding (a full budget always is). `one_sync` is an engine setting (`load(one_sync=...)`);
+    given here, it overrides the engine's for this call."""
     om, tokenizer = engine.model, engine.tokenizer
     if isinstance(prompt, str):  # as mlx-lm: no second BOS when the prompt already starts with one
         bos = getattr(tokenizer, "bos_token", None)
@@ -183,6 +214,9 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
         raise ValueError("the prompt is empty after tokenization; expected at least one token")
     if max_tokens < 1:
         raise ValueError(f"max_tokens {max_tokens}; expected >= 1")
+    one_sync = engine.one_sync if one_sync is None else one_sync
+    if one_sync not in ONE_SYNC:
+        raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
     if seed is not None:
         mx.random.seed(seed)
     eos = set(tokenizer.eos_token_ids)
@@ -206,7 +240,7 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
                                       lookahead=d.lookahead, lookahead_experts=d.lookahead_experts, warm=warm)
         tokens = decoder.stream(ids, max_tokens, eos, progress=progress)
     try:
-        yield from _responses(tokens, tokenizer, om, decoder, len(ids), max_tokens, eos)
+        yield from _responses(tokens, tokenizer, RunMeter(om, len(ids), prompt_cache), decoder, max_tokens, eos)
     finally:
         tokens.close()
         if decoder is not None:
@@ -218,17 +252,12 @@ def generate(engine: Engine, prompt: str | list[int], max_tokens: int = 256, **k
     return "".join(r.text for r in stream_generate(engine, prompt, max_tokens, **kwargs))
 
 
-def _responses(tokens, tokenizer, om, decoder, n_prompt: int, max_tokens: int, eos) -> Iterator[GenerationResponse]:
+def _responses(tokens, tokenizer, meter: RunMeter, decoder, max_tokens: int, eos) -> Iterator[GenerationResponse]:
     detok = tokenizer.detokenizer
     detok.reset()
-    c0 = om.counters()
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    t_first, prompt_bytes = None, 0
+    meter.start()
     for n, token in enumerate(tokens, start=1):
-        now = time.perf_counter()
-        if t_first is None:
-            t_first, prompt_bytes = now, om.counters()["bytes_read"] - c0["bytes_read"]
+        stats = meter.stats(n, None if decoder is None else decoder.stats)  # before the next token is asked for
         finish = "stop" if token in eos else ("length" if n >= max_tokens else None)
         if finish != "stop":
             detok.add_token(token)
@@ -236,24 +265,6 @@ def _responses(tokens, tokenizer, om, decoder, n_prompt: int, max_tokens: int, e
         if finish:
             detok.finalize()
             detail = _drain(tokens) if decoder is None else decoder.stats
-        c = om.counters()
-        hits, misses = c["hits"] - c0["hits"], c["misses"] - c0["misses"]
-        acceptance = None
-        if decoder is not None:
-            st = decoder.stats
-            acceptance = st.n_accepted / st.n_drafted if st.n_drafted else 0.0
-        stats = RunStats(
-            prompt_tokens=n_prompt,
-            prompt_tps=n_prompt / max(t_first - t0, 1e-9),
-            generation_tokens=n,
-            generation_tps=(n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0,
-            hit_rate=hits / (hits + misses) if hits + misses else 1.0,
-            misses=misses,
-            bytes_read=c["bytes_read"] - c0["bytes_read"],
-            acceptance=acceptance,
-            peak_memory_gb=mx.get_peak_memory() / 1e9,
-            prompt_bytes_read=prompt_bytes,
-        )
         yield GenerationResponse(detok.last_segment, token, stats, finish, detail)
         if finish:
             return

@@ -37,7 +37,8 @@ def test_public_api_greedy_tokens_equal_stock(pair, stock, budget):
     assert responses[-1].finish_reason in ("stop", "length")
     stats = responses[-1].stats
     assert stats.generation_tokens == len(responses) and stats.prompt_tokens == len(ids)
-    assert stats.acceptance is None and 0.0 <= stats.hit_rate <= 1.0
+    assert stats.acceptance is None and stats.speculative is None and 0.0 <= stats.hit_rate <= 1.0
+    assert stats.decode.tokens == len(responses) - 1 and stats.prefill.tokens == len(ids)
     if budget == "25%":
         assert stats.misses > 0 and stats.bytes_read > 0  # a quarter of the experts cannot serve a run without reads
 
@@ -58,6 +59,10 @@ def test_speculative_through_the_api_equals_plain_and_reports_acceptance(pair):
         last = responses[-1]
         assert 0.0 <= last.stats.acceptance <= 1.0
         assert last.detail.n_tokens == len(responses) and last.detail.n_rounds >= 1
+        spec = last.stats.speculative
+        assert (spec.rounds, spec.drafted, spec.accepted) == (last.detail.n_rounds, last.detail.n_drafted,
+                                                              last.detail.n_accepted)
+        assert spec.cutoff == engine.draft.cutoff == len(engine.model.moe_layers)  # all layers, said as the count
         # A stream closed early releases the drafter: a new stream still works and is still lossless.
         early = stream_generate(engine, PROMPT, max_tokens=20)
         first = next(early)
@@ -95,3 +100,66 @@ def test_the_tuned_forecast_width_reaches_spmoe_only(pair, tmp_path):
         assert engine.draft.forecast_k == 5
     with load(target, budget="50%", draft=pair.default_drafter, predictor="previous") as engine:
         assert engine.draft.forecast_k is None
+
+
+def test_one_stats_shape_for_plain_and_speculative(pair):
+    """Both decoders' responses carry one RunStats with the same fields; decode-only rates at the top."""
+    from runtime import RunStats
+
+    shapes = {}
+    for name, draft in (("plain", None), ("speculative", pair.default_drafter)):
+        with load(pair.target, budget="50%", draft=draft) as engine:
+            responses = list(stream_generate(engine, PROMPT, max_tokens=12))
+        assert all(type(r.stats) is RunStats for r in responses)
+        last = responses[-1].stats
+        shapes[name] = last.to_json()
+        assert last.tokens_per_s == last.generation_tps == last.decode.tokens_per_s > 0
+        assert last.hit_rate == last.decode.hit_rate and last.bytes_read == last.prefill.bytes_read + last.decode.bytes_read
+        assert last.host_syncs_per_token == last.decode.host_syncs / last.decode.tokens > 0
+        assert [r.stats.generation_tokens for r in responses] == list(range(1, len(responses) + 1))
+        # The prefill part is fixed from the first token on: decode numbers never mix it in.
+        assert all(r.stats.prefill == responses[0].stats.prefill for r in responses)
+    assert shapes["plain"].keys() == shapes["speculative"].keys()
+    assert shapes["plain"]["speculative"] is None and shapes["speculative"]["speculative"]["rounds"] >= 1
+
+
+def test_engine_settings_live_in_load_and_totals_and_plan_are_public(pair):
+    """one_sync is a load() setting (stream_generate may still override it per call); Engine.totals()
+    and Engine.plan expose the running totals and what the budget became."""
+    with load(pair.target, budget="50%", one_sync="off") as engine:
+        assert engine.one_sync == "off"
+        plan = engine.plan
+        assert set(plan.slots) == set(engine.model.moe_layers) and 0 < plan.fraction <= 0.5 + 1e-9
+        before = engine.totals()
+        off = list(stream_generate(engine, PROMPT, max_tokens=8))
+        after = engine.totals()
+        on = list(stream_generate(engine, PROMPT, max_tokens=8, one_sync="auto"))
+    assert off[-1].detail.one_sync_tries == 0 and on[-1].detail.one_sync_tries > 0
+    assert [r.token for r in off] == [r.token for r in on]
+    stats = off[-1].stats
+    assert after.misses - before.misses >= stats.misses > 0
+    assert after.bytes_read - before.bytes_read >= stats.bytes_read > 0
+    assert after.host_syncs - before.host_syncs >= stats.prefill.host_syncs + stats.decode.host_syncs
+    assert after.usable_slots == sum(plan.slots.values())
+    with pytest.raises(ValueError, match="one_sync 'sometimes'"):
+        load(pair.target, budget="50%", one_sync="sometimes")
+
+
+def test_your_own_loop_over_the_paged_model_is_lossless_but_syncs_per_moe_layer(pair, stock):
+    """engine.model.model in mlx-lm's generate_step: stock tokens, and what it loses against
+    stream_generate: a host sync per MoE layer instead of one per token (100% budget)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = stock
+    ids = list(tokenizer.encode(PROMPT))
+    expected = greedy_ids(model, ids, 12)
+    with load(pair.target, budget="100%") as engine:
+        n_moe = len(engine.model.moe_layers)
+        before = engine.totals()
+        own = [int(t) for t, _ in generate_step(mx.array(ids), engine.model.model, max_tokens=12)]
+        own_syncs = engine.totals().host_syncs - before.host_syncs
+        api = list(stream_generate(engine, ids, max_tokens=12))
+    assert own == expected == [r.token for r in api]
+    assert own_syncs >= n_moe * len(own)  # every forward reads each MoE layer's routing back
+    assert api[-1].stats.host_syncs_per_token == 1.0  # one per token, as stock mlx-lm

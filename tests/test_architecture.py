@@ -20,7 +20,8 @@ PACKAGES = ("runtime", "storage", "predictor", "metal")
 SUBPACKAGES = sorted(p.parent.name for p in (ROOT / "runtime").glob("*/__init__.py"))
 
 # Lowest first. A module may import its own unit and any unit of a lower layer, nothing else.
-# "runtime.api" is the public API: runtime/api.py and runtime/__init__.py. bench/ and tests/ sit
+# "runtime.api" is the public API: runtime/__init__.py and the modules directly under runtime/
+# (api.py, run_stats.py). bench/ and tests/ sit
 # above runtime.cli (they may import anything; nothing in the packages imports them), and
 # runtime/data holds data files only (no module: the checker reports any module it cannot place).
 LAYERS = (
@@ -50,11 +51,12 @@ def _imports(path: Path):
             yield node
 
 
-def _unit(module: str, layer_of: dict[str, int]) -> str | None:
-    """The layer unit a dotted module name belongs to ('runtime' itself is the API), None if unplaced."""
+def _unit(module: str, layer_of: dict[str, int], api_modules=frozenset({"api"})) -> str | None:
+    """The layer unit a dotted module name belongs to, None if unplaced. The API unit is `runtime`
+    itself and the modules directly under runtime/ (`api_modules`: runtime/api.py, runtime/run_stats.py)."""
     parts = module.split(".")
     if parts[0] == "runtime":
-        if len(parts) == 1 or parts[1] in ("api", "__init__"):
+        if len(parts) == 1 or parts[1] in api_modules:
             return "runtime.api"
         unit = ".".join(parts[:2])
     else:
@@ -87,12 +89,13 @@ def layer_violations(root: Path, packages=PACKAGES, layers=LAYERS, allowed=SAME_
     Walks each module's whole AST (imports inside functions, classes and `if` blocks too).
     Also reports a module of `packages` that belongs to no unit of `layers`."""
     layer_of = {unit: i for i, names in enumerate(layers) for unit in names}
+    api_modules = frozenset(p.stem for p in (root / "runtime").glob("*.py") if p.stem != "__init__")
     bad = []
     for pkg in packages:
         for path in sorted((root / pkg).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
             me = _module_name(root, path)
-            mine = _unit(me, layer_of)
+            mine = _unit(me, layer_of, api_modules)
             if mine is None:
                 bad.append(f"{rel}: {me} is in no layer; place its package in LAYERS")
                 continue
@@ -101,7 +104,7 @@ def layer_violations(root: Path, packages=PACKAGES, layers=LAYERS, allowed=SAME_
                 if not isinstance(node, (ast.Import, ast.ImportFrom)):
                     continue
                 for written, candidates in _imported(node, me, path.name == "__init__.py"):
-                    target = next((u for u in (_unit(c, layer_of) for c in candidates) if u), None)
+                    target = next((u for u in (_unit(c, layer_of, api_modules) for c in candidates) if u), None)
                     if target is None or target == mine:
                         continue
                     if layer_of[target] > layer_of[mine]:
@@ -127,9 +130,10 @@ def test_layer_checker_catches_upward_imports_in_a_planted_tree(tmp_path):
     files = {
         "storage/__init__.py": "",
         "runtime/__init__.py": "def __getattr__(name):\n    from runtime import api\n",
-        "runtime/api.py": "from runtime.decode import step\nfrom runtime import tune\n",
+        "runtime/api.py": "from runtime.decode import step\nfrom runtime import tune\nfrom runtime.stats import S\n",
+        "runtime/stats.py": "from runtime.observe import trace\n",
         "runtime/cache/__init__.py": "from storage import x\nfrom ..observe import telemetry\n",
-        "runtime/observe/__init__.py": "",
+        "runtime/observe/__init__.py": "def f():\n    import runtime.stats\n",
         "runtime/decode/__init__.py": "def run():\n    from runtime.tune import split\n    return split\n",
         "runtime/decode/step.py": "import runtime.cache.slab\nfrom . import step\n",
         "runtime/tune/__init__.py": "if True:\n    import runtime.plan.costs\n",
@@ -150,6 +154,7 @@ def test_layer_checker_catches_upward_imports_in_a_planted_tree(tmp_path):
         "runtime/tune/__init__.py:2: runtime.tune: import runtime.plan.costs (runtime.plan, the same layer)",
         "runtime/pipeline/__init__.py:2: runtime.pipeline: from runtime.doctor import probe (runtime.doctor, the same layer)",
         "runtime/extra/__init__.py: runtime.extra is in no layer; place its package in LAYERS",
+        "runtime/observe/__init__.py:2: runtime.observe: import runtime.stats (runtime.api, a higher layer)",
     ])
 
 
