@@ -171,6 +171,8 @@ def test_the_date_parser_reads_both_citation_forms():
     assert dated_citations(text) == [("memory.txt", "2026-12-02"), ("speculative_emulated_1ms.txt", "2026-12-03"),
                                      ("speculative_emulated_2ms.txt", "2026-12-03"), ("hotpath_decode.txt", "2026-12-04")]
     assert file_date("memory.txt") is not None
+    stale = "[memory.txt](bench/results/memory.txt) (2020-01-01, 0.8)"
+    assert [(n, d) for n, d in dated_citations(stale) if file_date(n) not in (None, d)] == [("memory.txt", "2020-01-01")]
 
 
 def test_the_readme_headline_table_cites_a_result_file_on_every_row():
