@@ -93,10 +93,10 @@ def test_prompt_from_stdin_and_system_prompt(tiny_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("The quick brown fox"))
     assert run_cli(["generate", "-m", model, "-p", "-", "-n", "4", "--json", str(b)])[0] == 0
     ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
-    assert ra["tokens"] == rb["tokens"] and ra["stats"]["n_prompt_tokens"] == rb["stats"]["n_prompt_tokens"]
+    assert ra["tokens"] == rb["tokens"] and ra["stats"]["prompt_tokens"] == rb["stats"]["prompt_tokens"]
     assert run_cli(["generate", "-m", model, "-p", "The quick brown fox", "-n", "4", "--system-prompt",
                     "You are terse.", "--json", str(c)])[0] == 0
-    assert json.loads(c.read_text())["stats"]["n_prompt_tokens"] > ra["stats"]["n_prompt_tokens"]
+    assert json.loads(c.read_text())["stats"]["prompt_tokens"] > ra["stats"]["prompt_tokens"]
     monkeypatch.setattr("sys.stdin", io.StringIO("   "))
     code, _, err = run_cli(["generate", "-m", model, "-p", "-", "-n", "4"])
     assert code == 2 and "--prompt -: stdin was empty" in err

@@ -51,7 +51,7 @@ def test_generate_reports_prefill_tokens_per_s_bytes_and_reads_per_routed_expert
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", (PROMPT + " ") * 4, "-b", "25%",
                             "-n", "3", "--raw-prompt", "--json", str(out)])
     assert code == 0, err
-    stats = json.loads(out.read_text())["stats"]
+    stats = json.loads(out.read_text())["detail"]
     pre = stats["prefill"]
     assert pre["n_tokens"] == stats["n_prompt_tokens"] > 64
     assert pre["tokens_per_s"] > 0 and pre["seconds"] > 0
@@ -68,8 +68,8 @@ def test_api_stream_carries_the_prefill_bytes_and_stats(tiny_dirs):
         responses = list(stream_generate(engine, (PROMPT + " ") * 4, max_tokens=3))
     last = responses[-1]
     pre = last.detail.prefill
-    assert last.stats.prompt_bytes_read == pre.bytes_read > 0
-    assert pre.n_tokens == last.stats.prompt_tokens and 0 < pre.reads_per_unique_expert <= 1.0
+    assert last.stats.prefill.bytes_read == pre.bytes_read > 0
+    assert pre.n_tokens == last.stats.prompt_tokens == last.stats.prefill.tokens and 0 < pre.reads_per_unique_expert <= 1.0
 
 
 def test_progress_bar_on_a_terminal_ends_with_the_summary_line():

@@ -60,8 +60,9 @@ def test_prompt_cache_file_saves_a_prefix_and_a_later_run_prefills_only_the_rest
     run = json.loads((tmp_path / "b.json").read_text())
     ids = tok.encode(first) + tok.encode(second)
     assert run["tokens"] == greedy_ids(stock, ids, N)
-    assert run["stats"]["prefill"]["reused_tokens"] == len(tok.encode(first)) - 1
-    assert run["stats"]["prefill"]["n_tokens"] == len(tok.encode(second)) + 1
+    assert run["detail"]["prefill"]["reused_tokens"] == len(tok.encode(first)) - 1
+    assert run["detail"]["prefill"]["n_tokens"] == len(tok.encode(second)) + 1
+    assert run["stats"]["prefill"]["tokens"] == run["detail"]["prefill"]["n_tokens"]  # the reused prefix is not prefilled
 
 
 def test_prompt_cache_file_of_another_model_is_refused(tiny_dirs, tmp_path):

@@ -32,8 +32,8 @@ def test_speculative_generate_reports_acceptance_and_prefetch(tiny_dirs, drafter
     assert "one-sync verifies" in err
     result = json.loads(out.read_text())
     assert len(result["tokens"]) == 12 and result["predictor"] == "spmoe"
-    assert result["stats"]["n_rounds"] >= 1 and 0 <= result["stats"]["recall"] <= 1
-    assert 0 <= result["stats"]["one_sync_fallbacks"] <= result["stats"]["one_sync_tries"] <= result["stats"]["n_rounds"]
+    assert result["detail"]["n_rounds"] >= 1 and 0 <= result["detail"]["recall"] <= 1
+    assert 0 <= result["detail"]["one_sync_fallbacks"] <= result["detail"]["one_sync_tries"] <= result["detail"]["n_rounds"]
     plain = tmp_path / "p.json"
     run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "The quick brown fox", "-n", "12",
              "--budget", "50%", "--json", str(plain), "--raw-prompt"])

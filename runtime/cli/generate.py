@@ -201,16 +201,17 @@ def register(app: typer.Typer) -> None:
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            stats = r.detail
+            stats = r.detail  # the decoder's own record: the console lines and --json's "detail"
+            # --json: one schema for plain and speculative runs (docs/json.md); "stats" is runtime.api's RunStats
             result = {"model": str(model), "budget": budget, "budget_bytes": om.plan.budget_bytes, "slots": om.plan.slots,
-                      "stats": stats.to_json()}
+                      "policy": engine.policy, "draft": None, "num_draft": None, "predictor": None, "cutoff": None,
+                      "stats": r.stats.to_json(), "detail": stats.to_json(), "lookahead": None, "governor": None}
             if engine.draft is None:
                 line = stats.line()
             else:
                 d = engine.draft
                 line = spec_line(stats, stats.prefetch_layers)
-                result.update(draft=str(draft), num_draft=d.num_draft, predictor=d.predictor, cutoff=d.cutoff,
-                              policy=engine.policy)
+                result.update(draft=str(draft), num_draft=d.num_draft, predictor=d.predictor, cutoff=d.cutoff)
             err_console.print(line, highlight=False)
             if stats.prefill is not None:
                 err_console.print(stats.prefill.line(), highlight=False)

@@ -163,7 +163,7 @@ class Backend:
                                   "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
                                   "acceptance_last_request": getattr(last, "acceptance", None)}
         if last is not None:
-            out["last_request"] = {k: getattr(last, k) for k in last.__dataclass_fields__}
+            out["last_request"] = last.to_json()  # runtime.api RunStats (docs/json.md)
         return out
 
 
