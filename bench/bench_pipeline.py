@@ -56,7 +56,7 @@ def run(variant: str, args, out: Path) -> dict:
         raise RuntimeError(f"{variant} failed:\n{r.stderr[-2000:]}")
     d = json.loads(out.read_text())
     out.unlink()
-    s = d["stats"]
+    s = d["detail"] if n_ranks == "1" else d["stats"]  # one process: the decoder's own record (docs/json.md)
     if n_ranks == "1" and spec == "spec":  # SpecStats: every token over the time of all rounds
         tps = s["n_tokens"] / s["decode_s"] if s["decode_s"] else 0.0
     else:  # GenerationStats, PipelineStats: the same definitions (see runtime/pipeline/generation.py)
