@@ -95,11 +95,12 @@ class SpeculativeStats:
     forecast_recall: float  # experts verify used that the forecast had named, over the prefetched layers
 
     @classmethod
-    def of(cls, spec) -> "SpeculativeStats":
-        """From a runtime.decode.SpecStats."""
+    def of(cls, spec, n_emitted: int) -> "SpeculativeStats":
+        """From a runtime.decode.SpecStats while it runs (its token count is booked when the stream ends)."""
         layers = spec.prefetch_layers or None
         return cls(rounds=spec.n_rounds, drafted=spec.n_drafted, accepted=spec.n_accepted,
-                   plain_rounds=spec.n_plain_rounds, tokens_per_verify=spec.tokens_per_verify, mean_k=spec.mean_k,
+                   plain_rounds=spec.n_plain_rounds, tokens_per_verify=n_emitted / spec.n_rounds if spec.n_rounds else 0.0,
+                   mean_k=spec.mean_k,
                    cutoff=len(spec.prefetch_layers), forecast_recall=spec.recall(layers) if layers else 0.0)
 
 
@@ -201,4 +202,4 @@ class RunMeter:
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             prefill=PhaseStats.between(self.c0, self.c_first, self.n_prefilled, self.t_first - self.t0),
             decode=PhaseStats.between(self.c_first, c, n_emitted - 1, now - self.t_first),
-            speculative=None if spec is None else SpeculativeStats.of(spec))
+            speculative=None if spec is None else SpeculativeStats.of(spec, n_emitted))

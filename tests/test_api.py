@@ -63,6 +63,7 @@ def test_speculative_through_the_api_equals_plain_and_reports_acceptance(pair):
         assert (spec.rounds, spec.drafted, spec.accepted) == (last.detail.n_rounds, last.detail.n_drafted,
                                                               last.detail.n_accepted)
         assert spec.cutoff == engine.draft.cutoff == len(engine.model.moe_layers)  # all layers, said as the count
+        assert spec.tokens_per_verify == pytest.approx(last.detail.tokens_per_verify)
         # A stream closed early releases the drafter: a new stream still works and is still lossless.
         early = stream_generate(engine, PROMPT, max_tokens=20)
         first = next(early)

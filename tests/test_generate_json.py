@@ -51,7 +51,8 @@ def schema_problems(result: dict, n_moe_layers: int) -> list[str]:
         if spec.keys() != SPECULATIVE:
             bad.append(f"stats.speculative keys {sorted(spec)}")
         elif not (isinstance(result["cutoff"], int) and 0 <= result["cutoff"] <= n_moe_layers
-                  and spec["cutoff"] == result["cutoff"] and spec["rounds"] >= 1 and 0 <= stats["acceptance"] <= 1):
+                  and spec["cutoff"] == result["cutoff"] and spec["rounds"] >= 1 and 0 <= stats["acceptance"] <= 1
+                  and spec["tokens_per_verify"] == pytest.approx(n / spec["rounds"])):
             bad.append(f"speculative: cutoff {result['cutoff']!r} (of {n_moe_layers}), {spec}")
         usable = result["detail"].get("counters", {}).get("usable_slots")
         if result["governor"] is not None and usable != result["governor"]["usable_slots"]:
