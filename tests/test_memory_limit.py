@@ -147,3 +147,89 @@ def test_a_run_under_a_cap_stays_under_it_and_a_broken_give_back_fails_the_check
     assert gov.stats.n_shrinks >= 1 and gov.stats.unaccounted_bytes > 0
     cap, seen, gov, _ = _capped_run(path, stock, ids, broken=True)
     assert max(seen) > cap  # slots never given back: the same check fails
+
+
+# --- auto honours the process's cgroup limit (runtime/cache/cgroup_memory.py) ---------------------------------
+
+def _fake_cgroup(tmp_path, proc_lines: str, files: dict[str, str]):
+    """A /proc/self/cgroup text and a cgroup file system root holding `files` (path -> content)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text(proc_lines)
+    root = tmp_path / "fs"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return proc, root
+
+
+def test_cgroup_v1_limit_is_the_smallest_from_the_process_cgroup_up(tmp_path, monkeypatch):
+    from runtime.cache import cgroup_memory
+
+    proc, root = _fake_cgroup(tmp_path, "9:cpu:/\n4:memory:/box/run\n0::/\n", {
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",  # the root: unlimited
+        "memory/box/memory.limit_in_bytes": "6000000000\n",  # the parent caps its children
+        "memory/box/run/memory.limit_in_bytes": "8000000000\n",
+    })
+    assert cgroup_memory.cgroup_limit_bytes(proc, root, platform="linux") == 6_000_000_000
+    assert cgroup_memory.cgroup_limit_bytes(proc, root, platform="darwin") is None  # macOS keeps its rules
+    # A reader that looked at the process's own cgroup only would report 8 GB: the parent's cap is missed.
+    monkeypatch.setattr(cgroup_memory, "_ancestors", lambda path: [path.strip("/")])
+    assert cgroup_memory.cgroup_limit_bytes(proc, root, platform="linux") == 8_000_000_000
+
+
+def test_cgroup_v2_and_hybrid_limits_and_no_limit(tmp_path):
+    from runtime.cache.cgroup_memory import cgroup_limit_bytes, system_memory_bytes
+
+    proc, root = _fake_cgroup(tmp_path, "0::/user.slice/app\n", {"user.slice/app/memory.max": "4000000000\n",
+                                                                  "user.slice/memory.max": "max\n"})
+    assert cgroup_limit_bytes(proc, root, platform="linux") == 4_000_000_000
+    proc, root = _fake_cgroup(tmp_path / "hybrid", "4:memory:/\n0::/app\n", {
+        "memory/memory.limit_in_bytes": "9223372036854771712", "unified/app/memory.max": "3000000000"})
+    assert cgroup_limit_bytes(proc, root, platform="linux") == 3_000_000_000
+    proc, root = _fake_cgroup(tmp_path / "none", "4:memory:/a\n", {"memory/a/memory.limit_in_bytes": "garbage"})
+    assert cgroup_limit_bytes(proc, root, platform="linux") is None  # unreadable counts as no limit
+    assert cgroup_limit_bytes(tmp_path / "missing", root, platform="linux") is None
+    assert system_memory_bytes(ram_bytes=24 * 10**9, limit_bytes=8 * 10**9) == 8 * 10**9
+    assert system_memory_bytes(ram_bytes=24 * 10**9, limit_bytes=None) <= 24 * 10**9
+
+
+def test_auto_budget_and_auto_memory_limit_honour_the_cgroup(monkeypatch):
+    from runtime.cache import budget, cgroup_memory
+    from runtime.cache.budget import BudgetSpec, plan_budget
+    from runtime.cache.memory_limit import auto_limit_bytes
+
+    args = dict(expert_bytes={0: 10**7}, n_experts={0: 10**4}, top_k=4, resident_bytes=10**9, kv_bytes=10**8)
+    capped = plan_budget(BudgetSpec("auto", 0, "auto"), total_memory_bytes=24 * 10**9, working_set_bytes=None,
+                         cgroup_bytes=8 * 10**9, **args)
+    assert capped.breakdown["usable"] == 8 * 10**9 and capped.breakdown["cgroup_limit"] == 8 * 10**9
+    assert capped.budget_bytes <= 8 * 10**9 - 10**9 - 10**8 - capped.breakdown["headroom"]
+    # Read from the system: the cgroup reader's answer caps RAM, for the budget and for --memory-limit auto.
+    monkeypatch.setattr(cgroup_memory, "cgroup_limit_bytes", lambda *a, **k: 5 * 10**9)
+    monkeypatch.setattr(budget, "metal_working_set_bytes", lambda: None)
+    assert plan_budget(BudgetSpec("auto", 0, "auto"), **args).breakdown["usable"] == 5 * 10**9
+    assert auto_limit_bytes() == 5 * 10**9
+
+
+def test_auto_reads_a_real_cgroup_limit(tmp_path):
+    """Under a real cgroup v1 cap (bench/fullscale_cgroup.py; needs root), --memory-limit auto is the cap."""
+    import json
+    import os
+    import sys
+
+    from tests.bench_scripts import BENCH
+
+    sys.path.insert(0, str(BENCH.parent))
+    from bench.fullscale_cgroup import MemoryCgroup, available
+
+    if available():
+        pytest.skip(available())
+    code = ("import json; from runtime.cache.memory_limit import auto_limit_bytes;"
+            "from runtime.cache.cgroup_memory import cgroup_limit_bytes;"
+            "print(json.dumps([cgroup_limit_bytes(), auto_limit_bytes()]))")
+    out = tmp_path / "out.txt"
+    with MemoryCgroup(3 * 10**9) as cg, open(out, "w") as f:
+        res = cg.run([sys.executable, "-c", code], stdout=f, env={**os.environ, "PYTHONPATH": str(BENCH.parent)})
+    assert res.exit_code == 0, out.read_text()
+    limit, auto = json.loads(out.read_text().strip().splitlines()[-1])
+    assert limit == res.limit_bytes and auto == limit  # the page-rounded 3 GB, not this machine's RAM

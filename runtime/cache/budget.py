@@ -1,7 +1,8 @@
 """Memory budgets for the expert cache: parsing, `auto`, and slots per layer.
 
 `--budget` accepts a size ("6GB", "512MiB", "1.5G"), a share of the model's
-expert bytes ("40%"), or "auto": the smaller of total RAM and (on Metal) the GPU's
+expert bytes ("40%"), or "auto": the smallest of total RAM, the memory limit of the
+process's Linux cgroup (runtime/cache/cgroup_memory.py) and (on Metal) the GPU's
 recommended working set, minus resident weights, the KV cache at a context length
 and headroom. Slots are split equally across MoE layers.
 
@@ -110,8 +111,9 @@ class BudgetPlan:
 
 def plan_budget(spec: BudgetSpec, *, expert_bytes: dict[int, int], n_experts: dict[int, int], top_k: int,
                 resident_bytes: int, kv_bytes: int, total_memory_bytes: int | None = None,
-                working_set_bytes: int | None = None) -> BudgetPlan:
-    """Turn a budget into slots per layer. expert_bytes/n_experts are per MoE layer."""
+                working_set_bytes: int | None = None, cgroup_bytes: int | None = None) -> BudgetPlan:
+    """Turn a budget into slots per layer. expert_bytes/n_experts are per MoE layer. For `auto`, RAM and
+    the cgroup limit are read from the system unless given (a given RAM is not capped by the real cgroup)."""
     total = sum(expert_bytes[l] * n_experts[l] for l in expert_bytes)
     per_slot_row = sum(expert_bytes.values())  # one slot in every layer
     min_bytes = top_k * per_slot_row
@@ -121,12 +123,17 @@ def plan_budget(spec: BudgetSpec, *, expert_bytes: dict[int, int], n_experts: di
     elif spec.kind == "bytes":
         budget = int(spec.value)
     else:
-        ram = total_memory_bytes if total_memory_bytes is not None else psutil.virtual_memory().total
+        if total_memory_bytes is None:
+            from runtime.cache.cgroup_memory import cgroup_limit_bytes
+
+            total_memory_bytes = psutil.virtual_memory().total
+            cgroup_bytes = cgroup_bytes or cgroup_limit_bytes()
+        ram = total_memory_bytes
         ws = working_set_bytes if working_set_bytes is not None else metal_working_set_bytes()
-        usable = min(ram, ws) if ws else ram
+        usable = min(x for x in (ram, ws, cgroup_bytes) if x)
         headroom = max(HEADROOM_MIN_BYTES, int(HEADROOM_FRACTION * usable))
         budget = usable - resident_bytes - kv_bytes - headroom
-        breakdown = {"memory": ram, "metal_working_set": ws or 0, "usable": usable,
+        breakdown = {"memory": ram, "metal_working_set": ws or 0, "cgroup_limit": cgroup_bytes or 0, "usable": usable,
                      "resident_weights": resident_bytes, "kv_cache": kv_bytes, "headroom": headroom,
                      "left_for_experts": budget}
     if budget < min_bytes:

@@ -16,8 +16,9 @@ ExpertCache.release_pages), so the process stays under the cap instead of swappi
 `prefill_step(...)` picks the prompt chunk: mlx-lm's 2048 tokens unless the activations of such a
 chunk at that context would not fit their share; long prompts are cut only then.
 
-"auto" (the default) is the `--budget auto` rule: the smaller of RAM and (on Metal) the GPU's
-recommended working set, less the headroom (runtime/cache/budget.py).
+"auto" (the default) is the `--budget auto` rule: the smallest of RAM, the Linux cgroup's memory limit
+(runtime/cache/cgroup_memory.py) and (on Metal) the GPU's recommended working set, less the headroom
+(runtime/cache/budget.py).
 
 Invariants: pure accounting, no I/O (the caller measures baseline and KV); a limit that cannot
 hold baseline + resident + drafter + KV + activations + one token's experts is refused with a
@@ -108,12 +109,12 @@ class MemoryLimit:
 
 
 def auto_limit_bytes() -> int:
-    """The auto rule's memory: the smaller of RAM and (on Metal) the GPU's recommended working set."""
-    import psutil
-
+    """The auto rule's memory: the smallest of RAM, the cgroup's limit and (on Metal) the GPU's recommended
+    working set."""
     from runtime.cache.budget import metal_working_set_bytes
+    from runtime.cache.cgroup_memory import system_memory_bytes
 
-    ram = psutil.virtual_memory().total
+    ram = system_memory_bytes()
     ws = metal_working_set_bytes()
     return min(ram, ws) if ws else ram
 
