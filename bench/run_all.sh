@@ -57,7 +57,7 @@ if [[ -z ${PROFILE_TEXT:-} && -z $CHECK$LIST ]] && wanted profile; then
   if p=$(python bench/profile_text.py 2>/dev/null); then PROFILE_TEXT=$(tail -1 <<< "$p"); fi
 fi
 PROFILE_TEXT=${PROFILE_TEXT:-bench/profile_texts.txt}
-run profile specmoe profile -m "$TARGET" --prompts "$PROFILE_TEXT" --max-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
+run profile specmoe profile -m "$TARGET" --prompts "$PROFILE_TEXT" --decode-tokens 0 --plot docs/img/profile.png --trace "$OUT/embedded.smtrace" --json "$OUT/profile.json"
 run sweep_cache specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --plot docs/img/cache.png --json "$OUT/sweep_cache.json"
 run sweep_cache_readless specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --json "$OUT/sweep_cache_readless.json"
 run readless_replay python bench/bench_readless.py --skip-live

@@ -6,10 +6,8 @@ from __future__ import annotations
 import io
 import json
 
-import typer.main
-
 from runtime.cli import options as opt
-from runtime.cli.app import app
+from runtime.cli.app import command
 from tests.conftest import run_cli
 
 
@@ -21,7 +19,7 @@ def _commands():
         else:
             yield path, c
 
-    return list(walk(typer.main.get_command(app)))
+    return list(walk(command()))
 
 
 COMMANDS = _commands()
@@ -29,7 +27,8 @@ SHARED = {  # long flag -> (all its flags, None or the set of allowed defaults)
     "--model": (["--model", "-m"], None),
     "--budget": (["--budget", "-b"], {opt.DEFAULT_BUDGET}),
     "--num-draft": (["--num-draft", "-k"], {None, opt.DEFAULT_NUM_DRAFT}),  # None: tuned, else the default
-    "--max-tokens": (["--max-tokens", "-n"], None),
+    "--max-tokens": (["--max-tokens", "-n"], {opt.DEFAULT_MAX_TOKENS}),  # other lengths have their own flags
+    "--threads": (["--threads"], {opt.DEFAULT_THREADS}),
     "--temp": (["--temp"], {0.0}),
     "--top-p": (["--top-p"], {1.0}),
     "--top-k": (["--top-k"], {0}),
@@ -74,6 +73,12 @@ def test_shared_flags_have_one_name_one_short_form_one_default():
                 assert p.opts[0] == "--num-draft", path
             if "-m" in p.opts:
                 assert p.opts[0] == "--model", path
+    for path, command_ in COMMANDS:  # capped the same way wherever it is taken (one option factory)
+        for p in command_.params:
+            if p.opts[0] == "--threads":
+                assert (p.min, p.max) == (1, opt.MAX_THREADS), path
+            if p.opts[0] == "--max-tokens":
+                assert p.min == 1, path
     plan = dict(COMMANDS)[("plan",)]
     assert [p.opts for p in plan.params if p.name == "draft_len"] == [["--num-draft", "-k"]]
     assert [p.default for p in plan.params if p.name == "draft_len"] == [opt.DEFAULT_NUM_DRAFT]

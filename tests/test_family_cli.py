@@ -50,7 +50,7 @@ def test_convert_info_generate_profile(family, tiny_dirs, drafter, tmp_path):
     assert texts["plain raw"] == texts["plain packed"] == texts["speculative packed"]
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The river began in the hills.\nA function should do one thing.\n")
-    code, _, err = run_cli(["profile", "-m", str(dst), "--prompts", str(prompts), "-n", "2", "--json", str(tmp_path / "p.json")])
+    code, _, err = run_cli(["profile", "-m", str(dst), "--prompts", str(prompts), "--decode-tokens", "2", "--json", str(tmp_path / "p.json")])
     assert code == 0, err
     assert json.loads((tmp_path / "p.json").read_text())
 
@@ -63,7 +63,7 @@ def test_tune_a_gpt_oss_store(tiny_dirs, drafter, tmp_path):
     shutil.copytree(tiny_dirs["gpt_oss"], target)  # tune writes tuning.json next to the model
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The river began in the hills.\n")
-    code, _, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "-n", "4",
+    code, _, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "--measure-tokens", "4",
                             "--json", str(tmp_path / "t.json")])
     assert code == 0, err
     assert json.loads((tmp_path / "t.json").read_text())["chosen"]

@@ -71,7 +71,7 @@ def test_profile_cli_end_to_end(tiny_dirs, tmp_path):
     prompts.write_text("The river began in the hills.\n\nA function should do one thing.\n")
     out, png, trace = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "t.smtrace"
     code, stdout, err = run_cli(["profile", "-m", str(tiny_dirs["mixtral"]), "--prompts", str(prompts), "--json", str(out),
-                                 "--plot", str(png), "--trace", str(trace), "-n", "4", "-k", "4"])
+                                 "--plot", str(png), "--trace", str(trace), "--decode-tokens", "4", "-k", "4"])
     assert code == 0, err
     report = json.loads(out.read_text())
     assert report["summary"]["sequences"] == 2 and "overlap" in stdout and "unique experts per 5-token window" in stdout

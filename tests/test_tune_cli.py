@@ -45,7 +45,7 @@ def test_sweep_cache_from_a_trace(pair, tmp_path):
 @pytest.mark.slow
 def test_tune_writes_tuning_json_that_generate_uses(pair, tmp_path):
     target, drafter, prompts = pair
-    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "-n", "6",
+    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "--measure-tokens", "6",
                                  "--json", str(tmp_path / "t.json")])
     assert code == 0, err
     tuned = json.loads((target / "tuning.json").read_text())["entries"][0]["setting"]
@@ -72,7 +72,7 @@ def test_sweep_cutoff_repeats_passes_and_reports_their_spread(pair, tmp_path):
     target, drafter, prompts = pair
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     code, stdout, err = run_cli(["sweep", "cutoff", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts),
-                                 "-n", "4", "--repeats", "2", "--json", str(out), "--plot", str(png)])
+                                 "--measure-tokens", "4", "--repeats", "2", "--json", str(out), "--plot", str(png)])
     assert code == 0, err
     report = json.loads(out.read_text())
     assert report["measured"] and all(m["n_passes"] == 2 for m in report["measured"])
@@ -83,7 +83,7 @@ def test_sweep_cutoff_repeats_passes_and_reports_their_spread(pair, tmp_path):
 @pytest.mark.slow
 def test_tune_at_a_budget_holding_every_expert_says_prefetch_does_not_apply(pair, tmp_path):
     target, drafter, prompts = pair
-    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "-n", "4",
+    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "--measure-tokens", "4",
                                  "--budget", "100%", "--json", str(tmp_path / "t.json")])
     assert code == 0, err
     report = json.loads((tmp_path / "t.json").read_text())
@@ -96,7 +96,7 @@ def test_tune_measures_the_lookahead_and_emulated_reads_are_labelled(pair, tmp_p
     """At 25% the tuner measures the router lookahead (j and experts per token) for the layers past the cutoff,
     shows it per row, and a hidden --inject latency reaches every measured run and is labelled EMULATED."""
     target, drafter, prompts = pair
-    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "-n", "4",
+    code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "--measure-tokens", "4",
                                  "--budget", "25%", "--inject", "slow:ms=0.2", "--json", str(tmp_path / "t.json")])
     assert code == 0, err
     report = json.loads((tmp_path / "t.json").read_text())

@@ -3,10 +3,11 @@
 `resolve_model("mlx-community/Qwen3-30B-A3B-4bit")` looks in the local Hugging Face cache first
 (`HF_HUB_CACHE` / `HF_HOME`), then downloads with mlx-lm's own allow patterns when online.
 
-Invariants: an existing local path is returned unchanged and never touches huggingface_hub; a
-string that is not shaped like a hub id (`owner/name`) is returned unchanged so the loader reports
-the missing path; offline (`HF_HUB_OFFLINE=1`) a hub id missing from the cache is one ValueError
-naming the flag, the id and the cache directory, and nothing is fetched.
+Invariants: an existing local path is returned unchanged and never touches huggingface_hub. A
+missing path that can only be a path (`./x`, `../x`, `/x`, `~/x`, `x/y/z`, a single name, a file name
+such as `x.json`) is one ValueError "no such model directory" and never touches the hub. A missing
+`owner/name` is read both ways: the local cache, then (online) a download; its error names both
+readings. Offline (`HF_HUB_OFFLINE=1`) nothing is fetched and the error names the cache directory.
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
 __all__ = ["resolve_model", "looks_like_hub_id", "hub_offline", "HUB_ALLOW_PATTERNS"]
 
+# Names that end like a file, never a model directory or a hub repository.
+_FILE_SUFFIXES = (".json", ".safetensors", ".gguf", ".bin", ".npz", ".npy", ".pt", ".pth", ".txt", ".yaml", ".yml",
+                  ".py", ".model", ".tar", ".gz", ".zip")
+
 HUB_ALLOW_PATTERNS = list(DEFAULT_ALLOW_PATTERNS)  # what `mlx_lm.generate --model ID` fetches
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 
 
 def looks_like_hub_id(ref: str) -> bool:
     """`owner/name` with hub-legal characters, not a relative path such as `./x` or `~/x`."""
-    return bool(_HUB_ID.match(ref)) and ".." not in ref and not ref.endswith(".git")
+    return (bool(_HUB_ID.match(ref)) and ".." not in ref and not ref.endswith(".git")
+            and not ref.lower().endswith(_FILE_SUFFIXES)
+            and not any(sep and sep != "/" and sep in ref for sep in (os.sep, os.altsep)))
 
 
 def hub_offline() -> bool:
@@ -54,8 +61,11 @@ def resolve_model(ref: str | Path | None, flag: str = "--model") -> Path | None:
         return None
     path = Path(ref).expanduser()
     text = str(ref)
-    if path.exists() or not looks_like_hub_id(text):
+    if path.exists():
         return path
+    if not looks_like_hub_id(text):
+        raise ValueError(f"{flag} {text}: no such model directory: {path.absolute()} (expected an mlx-lm checkpoint directory, "
+                         "a `specmoe convert` store, or a Hugging Face id owner/name)")
     from huggingface_hub import snapshot_download
 
     cache = _cache_dir()
@@ -64,10 +74,12 @@ def resolve_model(ref: str | Path | None, flag: str = "--model") -> Path | None:
     except Exception:  # not cached (LocalEntryNotFoundError and kin across huggingface_hub versions)
         pass
     if hub_offline():
-        raise ValueError(f"{flag} {text}: not a local directory and not in the Hugging Face cache {cache}, "
-                         f"and HF_HUB_OFFLINE is set; download it while online or pass a local path")
+        raise ValueError(f"{flag} {text}: no such model directory ./{text}, and as a Hugging Face id it is not in "
+                         f"the cache {cache} while HF_HUB_OFFLINE is set; download it while online or pass an "
+                         "existing directory")
     try:
         return Path(snapshot_download(text, allow_patterns=HUB_ALLOW_PATTERNS, cache_dir=cache))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{flag} {text}: could not download it from the Hugging Face Hub ({reason})") from None
+        raise ValueError(f"{flag} {text}: could not download it from the Hugging Face Hub ({reason}), and there is "
+                         f"no such model directory ./{text}") from None

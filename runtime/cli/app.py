@@ -1,7 +1,8 @@
 """The `specmoe` command line (typer). Each command group lives in its own module of runtime/cli/.
 
-Invariant: bad input ends in one line on stderr naming what was wrong and what was
-expected, exit code 2, and no traceback unless --debug is given.
+Invariant: bad input ends in one line on stderr, `specmoe: error: ...`, naming what was wrong and
+what was expected (click's usage errors too: bad flag, missing option, out-of-range value), exit
+code 2, and no traceback unless --debug is given. `--version` and `-h` work on every command.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import sys
 
 import click
 import typer
+
+from runtime.cli.errors import error_line, usage_line
 
 # Plain click help (rich_markup_mode=None): on/off flags read `--x / --no-x` with no `<bool>`
 # placeholder, and `-h` works everywhere (click passes help_option_names down to subcommands).
@@ -62,13 +65,38 @@ def _register() -> None:
 
 
 _register()
+_COMMAND = None
+
+
+def command():
+    """The click command tree `main` runs: typer's, with the root's eager `--version` added to every
+    subcommand and group, so `--version` works wherever `-h` does. Built once."""
+    global _COMMAND
+    if _COMMAND is None:
+        import copy
+
+        import typer.main
+
+        root = typer.main.get_command(app)
+        version = next(p for p in root.params if p.name == "version")
+
+        def add(group) -> None:
+            for sub in getattr(group, "commands", {}).values():
+                shared = copy.copy(version)
+                shared.expose_value = False  # the command bodies do not take it
+                sub.params.append(shared)
+                add(sub)
+
+        add(root)
+        _COMMAND = root
+    return _COMMAND
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:
-        rv = app(args=args, prog_name="specmoe", standalone_mode=False)
+        rv = command().main(args=args, prog_name="specmoe", standalone_mode=False)
         return rv if isinstance(rv, int) else 0  # typer.Exit(code) comes back as a return value
     except (typer.Exit, click.exceptions.Exit) as e:
         return e.exit_code
@@ -79,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 1
     except Exception as e:
         # Usage errors (typer vendors its own click, so match by shape, not class).
-        if hasattr(e, "show") and hasattr(e, "exit_code"):
-            e.show()
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+            if debug:
+                raise
+            print(usage_line(e), file=sys.stderr)
             return 2
         if debug or not isinstance(e, (ValueError, OSError, RuntimeError)):
             raise
-        print(f"specmoe: error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
 
 

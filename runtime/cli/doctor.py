@@ -15,6 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from runtime.cli.errors import error_line
+
 __all__ = ["register"]
 
 
@@ -41,10 +43,10 @@ def doctor_command(
     """Measure this machine (sync latency, cold SSD reads, decoding on the embedded pair against stock mlx-lm) beside
     the planner."""
     if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():
-        typer.echo(f"specmoe doctor: error: --json {str(json_path)!r}: directory does not exist", err=True)
+        typer.echo(error_line(f"--json {str(json_path)!r}: directory does not exist"), err=True)
         raise SystemExit(2)
     if data_dir is not None and not data_dir.is_dir():
-        typer.echo(f"specmoe doctor: error: --dir {str(data_dir)!r} is not a directory", err=True)
+        typer.echo(error_line(f"--dir {str(data_dir)!r} is not a directory"), err=True)
         raise SystemExit(2)
     from runtime.doctor import render_report, run_doctor
 

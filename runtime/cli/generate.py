@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
                                                    "cache's slots over layers by their miss curves (same total)."),
         route_ahead: str = opt.route_ahead_option(),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
-        threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
+        threads: int = opt.threads_option(),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
         chat: bool = typer.Option(True, "--chat/--raw-prompt", help="Apply the tokenizer's chat template if it has one."),
         json_path: Path = opt.json_option("Write the text and stats as JSON to this path."),

@@ -23,15 +23,25 @@ __all__ = [
     "budget_option", "max_tokens_option", "temp_option", "top_p_option", "top_k_option", "min_p_option",
     "seed_option", "num_draft_option", "prompt_option", "system_prompt_option", "json_option", "read_prompt",
     "resolve_draft", "adaptive_k_option", "pipeline_option", "pipeline_split_option", "pipeline_timeout_option",
+    "DEFAULT_THREADS", "MAX_THREADS", "threads_option", "MEASURE_TOKENS", "measure_tokens_option",
 ]
 
 DEFAULT_BUDGET = "auto"  # what RAM allows; every command that pages experts (demo: 40%, to show paging)
 DEMO_BUDGET = "40%"
-DEFAULT_MAX_TOKENS = 100  # mlx_lm.generate's default
+DEFAULT_MAX_TOKENS = 100  # mlx_lm.generate's default; every command's -n/--max-tokens
+MEASURE_TOKENS = 32  # tune/sweep: tokens per prompt of one measured setting (a grid of short runs; its own flag)
+DEFAULT_THREADS = 4  # loader I/O threads (storage.LoaderConfig's default)
+MAX_THREADS = 64
 DEFAULT_NUM_DRAFT = 3  # mlx-lm's --num-draft-tokens default; also the tuner's fallback (runtime/tune/settings.py)
 DEFAULT_SEED = 0  # reproducible by default (mlx-lm: unseeded)
 
 BUDGET_HELP = "Expert cache size: 6GB, 512MiB, 40% (of the expert bytes) or auto (what RAM allows)."
+
+
+def _as_typed(text: str) -> str:
+    """A model reference as typed: `./models/x` must stay a path (Path() would drop the `./` and leave
+    the hub-id-shaped `models/x`); the callback resolves it to a Path."""
+    return text
 
 
 def _resolve(value):
@@ -45,13 +55,14 @@ def resolve_draft(value):
 def model_option(required: bool = True, help: str | None = None, resolve: bool = True):
     """`resolve=False` leaves a hub id as typed (the command resolves it, e.g. to also report the id)."""
     return typer.Option(... if required else None, "--model", "-m", callback=_resolve if resolve else None,
-                        metavar="PATH|HUB_ID",
+                        metavar="PATH|HUB_ID", parser=_as_typed,
                         help=help or "mlx-lm checkpoint directory, a store made by `specmoe convert`, or a "
                                      "Hugging Face id such as mlx-community/Qwen3-30B-A3B-4bit.")
 
 
 def draft_option(required: bool = False, help: str | None = None):
     return typer.Option(... if required else None, "--draft", callback=resolve_draft, metavar="PATH|HUB_ID",
+                        parser=_as_typed,
                         help=help or "Drafter (an mlx-lm model sharing the tokenizer, path or hub id): "
                                      "enables speculative decoding.")
 
@@ -60,8 +71,18 @@ def budget_option(help: str = BUDGET_HELP, default: str = DEFAULT_BUDGET):
     return typer.Option(default, "--budget", "-b", help=help)
 
 
-def max_tokens_option(default: int = DEFAULT_MAX_TOKENS, help: str = "Maximum number of tokens to generate."):
-    return typer.Option(default, "--max-tokens", "-n", min=1, help=help)
+def max_tokens_option(help: str = "Maximum number of tokens to generate."):
+    """One default everywhere (a command that needs another length has its own flag, e.g. --measure-tokens)."""
+    return typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, help=help)
+
+
+def measure_tokens_option():
+    return typer.Option(MEASURE_TOKENS, "--measure-tokens", min=1,
+                        help="Tokens to generate per prompt for each measured setting (short runs keep a grid fast).")
+
+
+def threads_option():
+    return typer.Option(DEFAULT_THREADS, "--threads", min=1, max=MAX_THREADS, help="Loader I/O threads.")
 
 
 def temp_option():
@@ -102,23 +123,6 @@ def cutoff_option():
 def policy_option():
     return typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
                                                "(default: tuned, else dlfu).")
-
-
-def route_ahead_option():
-    return typer.Option(None, "--route-ahead",
-                        help="Decode steps that sync layer by layer (frequent misses) also prefetch the next two "
-                             "layers' forecast experts at each layer's sync: off, on, or auto (on while reads take "
-                             ">= 0.25 ms each, as from an SSD; default: tuned, else off). Within the noise on a 2-core "
-                             "CPU; for slow disks.")
-
-
-def check_route_ahead(value: str | None) -> str | None:
-    """The --route-ahead value (None: not given), or ValueError naming the flag and what it takes."""
-    from runtime.decode import ROUTE_AHEAD_MODES  # here, not at import: `--help` starts without MLX
-
-    if value is not None and value not in ROUTE_AHEAD_MODES:
-        raise ValueError(f"--route-ahead {value!r}; expected one of {', '.join(ROUTE_AHEAD_MODES)}")
-    return value
 
 
 def adaptive_k_option():

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 
 from runtime.cache import parse_budget
+from runtime.cli.errors import error_line
 from runtime.cli.options import BUDGET_HELP, DEFAULT_BUDGET, DEFAULT_NUM_DRAFT
 from runtime.cli.plan_render import PROJECTION_NOTE, render_plan
 from runtime.plan import mac_profile
@@ -302,7 +303,7 @@ def plan_command(
         if json_path is not None:
             _write_json(json_path, results)
     except (ValueError, OSError) as error:
-        typer.echo(f"specmoe plan: error: {error}", err=True)
+        typer.echo(error_line(error), err=True)
         # SystemExit, not typer.Exit: click in standalone_mode=False *returns* an Exit's code,
         # which a caller may drop; SystemExit reaches every caller as exit code 2.
         raise SystemExit(2) from None

@@ -43,9 +43,13 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--ranks {ranks!r}: expected numbers of Macs, e.g. 1,2,3") from None
         plans = []
         table = Table(title=f"{name} on {profile.label} x N (projection)")
-        for col in ("Macs", "link", "per-rank memory GB", "hit rate", "hop ms", "plain tok/s", "spec tok/s",
-                    "1 Mac plain / spec tok/s"):
-            table.add_column(col)
+        # 80 columns: narrow numeric columns (two-line headers) leave room for the per-rank lists, which fold
+        # onto more lines rather than being cut short when there are many ranks
+        widest = min(max(counts) * 4 - 1, 15)
+        for col, width in (("Macs", None), ("link", None), ("GB per rank", widest), ("hit % per rank", widest),
+                           ("hop\nms", None), ("plain\ntok/s", None), ("spec\ntok/s", None)):
+            table.add_column(col, justify="left" if col in ("Macs", "link") else "right", overflow="fold",
+                             min_width=width)
         for lk in link.split(","):
             lp = link_profile(lk.strip())
             for n in counts:
@@ -53,12 +57,15 @@ def register(app: typer.Typer) -> None:
                                      spec=spec, bits=bits)
                 plans.append(p)
                 mem = "/".join(f"{r.memory_bytes / 1e9:.1f}" + ("" if r.fits else "!") for r in p.ranks)
-                hit = "/".join(f"{r.hit_rate:.0%}" for r in p.ranks)
+                hit = "/".join(f"{100 * r.hit_rate:.0f}" for r in p.ranks)
                 table.add_row(str(n), lp.name, mem, hit, f"{p.hop_ms:.3f}", f"{p.plain_tok_s:.2f}",
-                              f"{p.spec_tok_s:.2f}" if p.spec_tok_s else "-",
-                              f"{p.single_tok_s:.2f} / " + (f"{p.single_spec_tok_s:.2f}" if p.single_spec_tok_s else "-")
-                              + ("" if p.single_fits else " (does not fit)"))
+                              f"{p.spec_tok_s:.2f}" if p.spec_tok_s else "-")
         console.print(table)
+        if plans:  # one Mac alone is the same for every row: one line, not a column
+            one = plans[0]
+            console.print(f"1 Mac alone: plain {one.single_tok_s:.2f} tok/s, speculative "
+                          + (f"{one.single_spec_tok_s:.2f} tok/s" if one.single_spec_tok_s else "-")
+                          + ("" if one.single_fits else " (does not fit)"), highlight=False)
         console.print("! = does not fit that Mac's GPU working set. Links: " +
                       "; ".join(f"{k}: {link_profile(k).source}" for k in dict.fromkeys(x.strip() for x in link.split(","))),
                       highlight=False)

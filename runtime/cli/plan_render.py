@@ -54,31 +54,7 @@ def render_plan(results: dict[str, Any], console: Console) -> None:
     hits = results["hit_rates"]
     console.print(f"hit rate: cache {hits['cache']:.2f}, page cache {hits['page_cache']:.2f}, "
                   f"SSD {hits['ssd']:.2f} ({hits['source']})")
-    v2 = results["cost_model"] == "v2"
-    if v2:
-        engine = results["engine"]
-        title = (f"Projected decode speed (cost model v2: {engine['sync_us']:.0f} us per host sync, "
-                 f"{engine['layer_us']:.0f} us per MoE layer); ms columns: one forward")
-    else:
-        title = f"Projected decode speed (v1: sync {results['sync_ms_per_layer']:.2f} ms/layer); ms columns: one forward"
-    table = Table(title=title)
-    columns = ["variant", "tok/s (projected)", "ms/token", "forward", "dense ms", "experts ms", "I/O ms",
-               "hidden ms", "fixed ms" if v2 else "sync ms"]
-    if v2:
-        columns += ["repair ms", "syncs"]
-    for column in columns:
-        table.add_column(column, justify="right" if column != "variant" else "left")
-    for projection in results["projections"]:
-        step = projection["step"]
-        forward = "1 token" if step["n_tokens"] == 1 else f"verify {step['n_tokens']}"
-        cells = [projection["label"], f"{projection['tok_per_s']:.2f}", f"{projection['ms_per_token']:.1f}",
-                 forward, f"{step['dense_ms']:.1f}", f"{step['expert_compute_ms']:.1f}",
-                 f"{step['page_cache_ms'] + step['ssd_ms']:.1f}", f"{step['hidden_io_ms']:.1f}",
-                 f"{step['sync_ms']:.1f}"]
-        if v2:
-            cells += [f"{step['repair_ms']:.1f}", f"{step['host_syncs']:.2f}"]
-        table.add_row(*cells)
-    console.print(table)
+    _render_projections(results, console)
     prefill = results.get("prefill")
     if prefill:
         console.print(f"time to first token (projection, expert-major prefill): {prefill['ttft_s']:.1f} s for "
@@ -102,6 +78,45 @@ def render_plan(results: dict[str, Any], console: Console) -> None:
         console.print(f"[dim]assumed: {line}[/]")
     console.print(f"[dim]{PROJECTION_NOTE}; hit-rate prior h = c^{hit_rate_prior_exponent():.3f}; "
                   f"prefetch assumes recall {results['prefetch_recall']:.2f} and no memory contention[/]")
+
+
+# Short variant names keep the projection tables within 80 columns; the legend spells them out.
+SHORT_VARIANT = {"baseline": "base", "prefetch": "prefetch", "speculative": "spec",
+                 "speculative + prefetch": "spec+pf"}
+LEGEND = {"dense": "resident weights + KV", "experts": "routed experts' compute",
+          "I/O": "page-cache and SSD reads", "hidden": "I/O hidden by prefetch (subtracted)",
+          "fixed": "host syncs + command buffers + per-layer time", "sync": "the fitted per-layer constant",
+          "repair": "re-runs after an absent expert"}
+
+
+def _render_projections(results: dict[str, Any], console: Console) -> None:
+    """Two narrow tables (speed, then one forward's ms by term) that fit an 80-column terminal or log."""
+    v2 = results["cost_model"] == "v2"
+    if v2:
+        engine = results["engine"]
+        model_note = f"v2: {engine['sync_us']:.0f} us per host sync, {engine['layer_us']:.0f} us per MoE layer"
+    else:
+        model_note = f"v1: sync {results['sync_ms_per_layer']:.2f} ms per layer"
+    speed = Table(title=f"Projected decode speed ({model_note})")
+    for column in ("variant", "tok/s", "ms/token", "forward") + (("syncs",) if v2 else ()):
+        speed.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
+    terms = Table(title="ms per forward (projection)")
+    for column in ("variant", "dense", "experts", "I/O", "hidden", "fixed" if v2 else "sync") + (
+            ("repair",) if v2 else ()):
+        terms.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
+    for projection in results["projections"]:
+        step, label = projection["step"], projection["label"]
+        forward = "1 token" if step["n_tokens"] == 1 else f"{step['n_tokens']} tokens"
+        speed.add_row(label, f"{projection['tok_per_s']:.2f}", f"{projection['ms_per_token']:.1f}", forward,
+                      *((f"{step['host_syncs']:.2f}",) if v2 else ()))
+        terms.add_row(SHORT_VARIANT.get(label, label), f"{step['dense_ms']:.1f}", f"{step['expert_compute_ms']:.1f}",
+                      f"{step['page_cache_ms'] + step['ssd_ms']:.1f}", f"{step['hidden_io_ms']:.1f}",
+                      f"{step['sync_ms']:.1f}", *((f"{step['repair_ms']:.1f}",) if v2 else ()))
+    console.print(speed)
+    console.print(terms)
+    named = [column.header for column in terms.columns[1:]]
+    console.print("[dim]ms per forward: " + "; ".join(f"{name} = {LEGEND[name]}" for name in named)
+                  + ". spec = speculative (one forward verifies K+1 tokens), pf = prefetch.[/]")
 
 
 def _quant(model: dict) -> str:

@@ -53,7 +53,9 @@ def register(app: typer.Typer) -> None:
         draft: Path = opt.draft_option(help="Drafter: profile speculative decoding (verify windows)."),
         num_draft: int = opt.num_draft_option(opt.DEFAULT_NUM_DRAFT, "K; windows of K+1 tokens are reported."),
         predictor: str = typer.Option("spmoe", "--predictor", help="Forecaster when --draft is given."),
-        max_tokens: int = typer.Option(0, "--max-tokens", "-n", min=0, help="Tokens to generate per prompt; 0 reads the prompts only (teacher-forced)."),
+        max_tokens: int = typer.Option(0, "--decode-tokens", min=0,
+                                       help="Tokens to generate after each prompt; 0 reads the prompts only "
+                                            "(teacher-forced routing)."),
         budget: str = opt.budget_option(),
         json_path: Path = opt.json_option("Write the report as JSON."),
         plot: Path = typer.Option(None, "--plot", help="Write a PNG: overlap vs distance, unique experts vs window."),

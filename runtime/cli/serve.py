@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         route_ahead: str = opt.route_ahead_option(),
         io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct "
                                                                   "(O_DIRECT/F_NOCACHE)."),
-        threads: int = typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads."),
+        threads: int = opt.threads_option(),
         governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
                                       help="Shrink the expert cache while available RAM is low; grow it back after."),
         allowed_origins: str = typer.Option("*", "--allowed-origins",

@@ -27,7 +27,9 @@ def render_report(r: dict) -> str:
         lines.append(f"- machine: {m.get('chip') or '?'} ({m.get('cpu_cores')} CPUs), {_gb(m.get('ram_bytes'))} RAM, "
                      f"GPU working set {_gb(m.get('gpu_working_set_bytes')) if m.get('gpu_working_set_bytes') else 'n/a'}"
                      f"{wired}; {m.get('os')}")
-        lines.append(f"- disk: {m.get('ssd_model') or 'model not readable'}, {_gb(m.get('ssd_size_bytes'))}")
+        # ssd_model is the drive's product name; "model" alone would read as the LLM
+        disk = m.get("ssd_model") or "name unknown (the drive did not report one)"
+        lines.append(f"- disk: {disk}, {_gb(m.get('ssd_size_bytes'))}")
     lines.append(f"- MLX {mlx.get('mlx_version')} ({mlx.get('backend')} backend), mlx-lm {mlx.get('mlx_lm_version')}")
     sc = r.get("selfcheck") or {}
     lines.append(f"- selfcheck: {sc.get('status', sc.get('error'))} (kernel: {sc.get('kernel', '-')})")
