@@ -34,7 +34,7 @@ class Totals:
     hits: int  # expert lookups found resident (per MoE call: its distinct experts)
     misses: int  # lookups that read the expert from disk on demand
     evictions: int  # experts evicted to make room
-    prefetch_reads: int  # experts read ahead of use because a forecast named them (drafter, lookahead)
+    prefetch_reads: int  # experts read ahead of use because a forecast named them (the drafter's, with a drafter)
     prefetch_used: int  # of those, experts a call then used
     prefetch_wasted: int  # prefetched experts evicted unused, or cancelled before their read
     bytes_read: int  # bytes read from disk: demand and prefetch reads

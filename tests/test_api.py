@@ -134,7 +134,7 @@ def test_engine_settings_live_in_load_and_totals_and_plan_are_public(pair):
         before = engine.totals()
         off = list(stream_generate(engine, PROMPT, max_tokens=8))
         after = engine.totals()
-        on = list(stream_generate(engine, PROMPT, max_tokens=8, one_sync="auto"))
+        on = list(stream_generate(engine, PROMPT, max_tokens=8, one_sync="on"))
     assert off[-1].detail.one_sync_tries == 0 and on[-1].detail.one_sync_tries > 0
     assert [r.token for r in off] == [r.token for r in on]
     stats = off[-1].stats

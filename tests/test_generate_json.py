@@ -18,7 +18,7 @@ from tests.conftest import run_cli
 
 PROMPT = "Enter the king, with his lords."
 TOP = {"model", "budget", "budget_bytes", "slots", "policy", "draft", "num_draft", "predictor", "cutoff", "stats",
-       "detail", "lookahead", "governor", "tokens", "text"}
+       "detail", "governor", "tokens", "text"}
 STATS = {"tokens_per_s", "generation_tps", "prompt_tps", "hit_rate", "misses_per_token", "prefetch_reads_per_token",
          "mb_read_per_token", "host_syncs_per_token", "bytes_read", "misses", "prompt_tokens", "generation_tokens",
          "acceptance", "peak_memory_gb", "prefill", "decode", "speculative"}
