@@ -4,8 +4,7 @@ Owns: the slot bookkeeping (`SlotTable`), eviction policies, `ExpertCache` (per-
 by the storage loader, pins, budget), `CachedSwitchGLU` (the drop-in for mlx-lm's `SwitchGLU` that
 reads the slabs), memory budgets (`--budget`) and the `MemoryGovernor` that shrinks the cache under
 memory pressure, and offline replay of routing traces through the same policy code (`replay`,
-Belady's MIN `belady`, miss curves, and the per-layer slot split `split_by_miss_curves` the model
-loader applies).
+Belady's MIN `belady`, miss curves, and the per-layer slot split `split_by_miss_curves`).
 
 Per MoE layer the cache also keeps a persistent device-side expert -> slot table (`device_tables`,
 updated one entry per commit or eviction) that device passes look slots up in without a host sync

@@ -5,8 +5,8 @@ routing concentrates on a few experts gains little from more slots, one that spr
 lot. split_by_miss_curves() replays a routing trace of the model (`specmoe profile --trace`)
 through the live cache's policy code for a range of slot counts per layer (a coarse grid,
 interpolated) and hands out the same total greedily by largest saving (replay.allocate_slots).
-It lives in the cache package because the model loader applies it (runtime.decode) and the
-cache sweep reports it (runtime.tune); both sit above the cache.
+It lives beside the policies it replays, in the cache package, so any layer above the cache may
+use it (`specmoe sweep cache` in runtime.tune reports it).
 
 Invariants: the total equals the total given; every layer keeps at least `minimum` slots and
 at most its expert count; a layer the trace does not cover keeps its slots.
