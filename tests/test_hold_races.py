@@ -1,4 +1,4 @@
-"""Two interleavings of a memory-governor shrink with pipelined forwards that once produced wrong tokens, unflagged.
+"""Three interleavings of a memory-governor shrink with pipelined forwards that once produced wrong tokens, unflagged.
 
 A layer whose every expert sits in the slot numbered like it (a 100% budget, or a per-layer split that leaves one
 layer whole) takes its router's ids as slots (runtime/cache/cached_switch.py, ids_are_slots): the slot numbers are
@@ -11,6 +11,10 @@ trimmed, evicted or zeroed) from that build to the forward's sync.
 - A staged forward's prefix: a routed forward is queued up to its first route sync (route_sync.py); a shrink
   applied by the next usable_now() trims the slots its earlier layers read before its sync holds them. The device
   is modelled as slow (mx.async_eval queues nothing; the graph runs at the next sync), a legal schedule.
+
+- A staged forward's route sync: each releases the forward's holds around its layer's reads, and a pending shrink
+  is trimmed then in every layer, the later ones (already built) included; a later layer that took its ids as
+  slots read the trimmed slots. Found by the differential harness (bench/stress_schedules.py).
 
 Each test compares every token with stock mlx-lm; on the code before the fix each produced other tokens with no
 repair of the affected forward.
@@ -29,6 +33,7 @@ from runtime.decode import offloaded_generate_step
 from runtime.decode.device_pass import DevicePass
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.decode.warm import warm_start
+from tests.bench_scripts import load_bench_script
 from tests.conftest import PROMPT, greedy_ids
 from tests.pass_helpers import pass_idle
 
@@ -131,3 +136,19 @@ def test_a_shrink_while_a_staged_prefix_is_queued_keeps_stock_tokens(tiny_dirs, 
         assert pass_idle(om)
     finally:
         om.close()
+
+
+def test_a_shrink_between_a_staged_forwards_route_syncs_keeps_stock_tokens(tiny_dirs):
+    """A staged forward is built whole; each route sync releases the forward's holds around its layer's reads. A
+    shrink applied just before (the next usable_now()) is trimmed at that release in every layer, the later ones
+    included: a later layer that took its ids as slots would then read trimmed slots. A per-layer split (the last
+    MoE layer whole), routes learnt, one shrink to 11 slots after the second token (bench/stress_schedules.py's
+    schedule 5, found by the harness: other tokens and logits, no repair, before staged forwards looked up)."""
+    harness = load_bench_script("stress_schedules")
+    schedule = harness.Schedule(5, "mixtral", "split", "plain", "greedy", "auto", "async", "", 12, ((0, 15), (1, 14)),
+                                ((1, "resize", (11, True)),))
+    refs = harness.References(dict(tiny_dirs))
+    out = harness.run_schedule(schedule, refs)
+    assert not out.error and out.shrinks > 0
+    assert out.tokens == out.expected and out.logit_mismatches == 0, \
+        f"tokens {out.tokens} vs stock {out.expected}; {out.logit_mismatches} logits differ, {out.repairs} repairs"

@@ -23,7 +23,8 @@ Invariants:
   per expert; an absent expert reads the last slot and is flagged (its code >= n_slots) for
   the pass to repair. A layer whose every expert sits in the slot numbered like it
   (cache.ids_are_slots, e.g. at a 100% budget) skips the table: its ids are its slots, baked
-  into the graph, so it does so only if the pass held the layer before building (device.build_held);
+  into the graph, so it does so only if the pass held the layer before building (device.build_held)
+  and keeps it held to the sync (not a staged forward, whose route syncs release its holds);
   the pass holds the layer (no eviction, no trim) until it evaluated the forward. A lookahead attached
   `in_pass` hands its forecast to the pass lazily (read back with the forward's one sync); a
   prefetching one makes the pass keep the layer's synced call.
@@ -116,10 +117,13 @@ class CachedSwitchGLU(nn.Module):
     def lookup(self, x: mx.array, indices: mx.array, device=None) -> tuple[mx.array, mx.array]:
         """The call with slots looked up on the device: (output, codes: slot, or n_slots + expert if absent).
         A routed pass (runtime/decode/route_sync.py) syncs the codes first and reads absent experts."""
-        if self.cache.ids_are_slots(self.layer) and (device is None or self.layer in device.build_held):
+        if self.cache.ids_are_slots(self.layer) and (device is None or self.layer in device.build_held
+                                                     and not getattr(device, "route_staged", False)):
             # Every expert sits in the slot of its own number (the layer's slots hold it whole, warmed in order)
             # and the pass's hold, taken before this build, keeps it there: the ids are the slots, none absent; no
-            # gather, no clamp. The slot numbers are in the graph from now on: an unheld layer looks up instead.
+            # gather, no clamp. The slot numbers are in the graph from now on: an unheld layer looks up instead, and
+            # so does a staged forward's (its route syncs release its holds around their reads while its later layers
+            # are built: a shrink may trim them then; a lookup that runs after flags what was trimmed).
             codes = safe = indices
         else:
             codes = self._table[indices]
