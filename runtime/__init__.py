@@ -2,7 +2,7 @@
 
 The public API, in mlx-lm's shape (runtime/api.py; its statistics in runtime/run_stats.py):
 
-    from runtime import load, stream_generate, generate
+    from runtime import load, stream_generate, generate, batch_generate
 
 Sub-packages, one concept each (each __init__ lists what it exports):
     cache/        the expert cache: slots, policies, budget, the cache-backed SwitchGLU, memory governor,
@@ -25,7 +25,8 @@ dedup verify kernel from `metal`.
 
 _API = ("load", "generate", "stream_generate", "Engine", "GenerationResponse", "RunStats", "PhaseStats",
         "SpeculativeStats", "Totals", "DraftSettings")
-__all__ = list(_API)
+_BATCH_API = ("batch_generate", "BatchResponse")  # runtime/batch_api.py
+__all__ = list(_API) + list(_BATCH_API)
 
 
 def __getattr__(name: str):
@@ -34,4 +35,8 @@ def __getattr__(name: str):
         from runtime import api
 
         return getattr(api, name)
+    if name in _BATCH_API:
+        from runtime import batch_api
+
+        return getattr(batch_api, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -11,6 +11,7 @@ follow the target's distribution; KV and recurrent state after a rejected draft 
 never saw it.
 """
 
+from runtime.decode.batch import BatchDecoder, BatchStepStats, BatchTotals
 from runtime.decode.drafter import DraftResult, Drafter, ModelDrafter
 from runtime.decode.families import check_supported, text_config, top_k
 from runtime.decode.moe_blocks import describe_expert_module, find_expert_modules, lazy_structure, match_expert_modules
@@ -31,6 +32,7 @@ from runtime.decode.route_ahead import ROUTE_AHEAD_MODES, RouteAhead
 from runtime.decode.window_reads import WindowReads
 
 __all__ = [
+    "BatchDecoder", "BatchStepStats", "BatchTotals",
     "common_prefix",
     "describe_expert_module", "find_expert_modules", "lazy_structure", "match_expert_modules",
     "DraftResult", "Drafter", "ModelDrafter", "check_supported", "text_config", "top_k", "OffloadConfig",
