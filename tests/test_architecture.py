@@ -21,7 +21,7 @@ SUBPACKAGES = sorted(p.parent.name for p in (ROOT / "runtime").glob("*/__init__.
 
 # Lowest first. A module may import its own unit and any unit of a lower layer, nothing else.
 # "runtime.api" is the public API: runtime/__init__.py and the modules directly under runtime/
-# (api.py, run_stats.py). bench/ and tests/ sit
+# (api.py, run_stats.py, ...). bench/ and tests/ sit
 # above runtime.cli (they may import anything; nothing in the packages imports them), and
 # runtime/data holds data files only (no module: the checker reports any module it cannot place).
 LAYERS = (
