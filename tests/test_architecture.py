@@ -74,6 +74,12 @@ def _imported(node, me: str, is_package: bool) -> list[tuple[str, tuple[str, ...
     load, longest first."""
     if isinstance(node, ast.Import):
         return [(f"import {a.name}", (a.name,)) for a in node.names]
+    if isinstance(node, ast.Call):  # importlib.import_module("x") / __import__("x") with a literal name
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        arg = node.args[0] if node.args else None
+        if name in ("import_module", "__import__") and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return [(f"{name}({arg.value!r})", (arg.value,))]
+        return []
     base = node.module or ""
     if node.level:  # relative: resolved against the importing module's package
         package = me.split(".") if is_package else me.split(".")[:-1]
@@ -86,7 +92,8 @@ def _imported(node, me: str, is_package: bool) -> list[tuple[str, tuple[str, ...
 def layer_violations(root: Path, packages=PACKAGES, layers=LAYERS, allowed=SAME_LAYER_ALLOWED) -> list[str]:
     """Every import in the tree at `root` that does not point strictly down `layers`.
 
-    Walks each module's whole AST (imports inside functions, classes and `if` blocks too).
+    Walks each module's whole AST (imports inside functions, classes and `if` blocks too, and
+    importlib.import_module / __import__ of a literal name).
     Also reports a module of `packages` that belongs to no unit of `layers`."""
     layer_of = {unit: i for i, names in enumerate(layers) for unit in names}
     api_modules = frozenset(p.stem for p in (root / "runtime").glob("*.py") if p.stem != "__init__")
@@ -101,7 +108,7 @@ def layer_violations(root: Path, packages=PACKAGES, layers=LAYERS, allowed=SAME_
                 continue
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
             for node in ast.walk(tree):
-                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Call)):
                     continue
                 for written, candidates in _imported(node, me, path.name == "__init__.py"):
                     target = next((u for u in (_unit(c, layer_of, api_modules) for c in candidates) if u), None)
@@ -126,7 +133,7 @@ def test_every_runtime_subpackage_has_a_layer():
 
 def test_layer_checker_catches_upward_imports_in_a_planted_tree(tmp_path):
     """Each kind of violation, planted in a small tree: top-level, inside a function, relative,
-    `import x.y`, `from runtime import sub`, a same-layer import, and an unplaced package."""
+    `import x.y`, `from runtime import sub`, importlib, a same-layer import, and an unplaced package."""
     files = {
         "storage/__init__.py": "",
         "runtime/__init__.py": "def __getattr__(name):\n    from runtime import api\n",
@@ -141,6 +148,7 @@ def test_layer_checker_catches_upward_imports_in_a_planted_tree(tmp_path):
         "runtime/serve/__init__.py": "import runtime\n",
         "runtime/pipeline/__init__.py": "from runtime.serve import app\nfrom runtime.doctor import probe\n",
         "runtime/doctor/__init__.py": "",
+        "runtime/decode/dynamic.py": "import importlib\nimportlib.import_module('runtime.cli')\n__import__('storage')\n",
         "runtime/cli/__init__.py": "from runtime import load\n",
         "runtime/extra/__init__.py": "",
     }
@@ -155,6 +163,7 @@ def test_layer_checker_catches_upward_imports_in_a_planted_tree(tmp_path):
         "runtime/pipeline/__init__.py:2: runtime.pipeline: from runtime.doctor import probe (runtime.doctor, the same layer)",
         "runtime/extra/__init__.py: runtime.extra is in no layer; place its package in LAYERS",
         "runtime/observe/__init__.py:2: runtime.observe: import runtime.stats (runtime.api, a higher layer)",
+        "runtime/decode/dynamic.py:2: runtime.decode: import_module('runtime.cli') (runtime.cli, a higher layer)",
     ])
 
 
