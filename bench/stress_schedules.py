@@ -25,6 +25,7 @@ A run that raises counts as an error. Nothing here changes package code.
 
 from __future__ import annotations
 
+import inspect
 import random
 import sys
 from contextlib import contextmanager
@@ -234,6 +235,14 @@ def _apply_event(om, kind: str, args: tuple, round_id: int) -> None:
             om.loader.cancel_stale(round_id + 1)
 
 
+def _pass_options(one_sync: str) -> dict:
+    """DevicePass options of a plain decode's --one-sync, as runtime/decode/plain.py passes them (where the pass
+    takes a segment setting: "auto" learns routed layers and segments, "on" keeps one sync)."""
+    if "segment" in inspect.signature(DevicePass).parameters:
+        return {"segment": "auto" if one_sync == "auto" else None}
+    return {}
+
+
 def _run(s: Schedule, refs: References) -> tuple[list, list, int, int]:
     """The engine's (tokens, log-probabilities (plain; else []), repairs, shrinks) under schedule `s`."""
     budget = "100%" if s.budget == "split" else s.budget
@@ -259,7 +268,7 @@ def _run(s: Schedule, refs: References) -> tuple[list, list, int, int]:
                                           prompt_cache=cache)
                     repairs = lambda: 0  # noqa: E731
                 else:
-                    dp = DevicePass(om, segment="auto" if s.one_sync == "auto" else None)
+                    dp = DevicePass(om, **_pass_options(s.one_sync))
                     steps = offloaded_generate_step(om, mx.array(ids), max_tokens=s.n_tokens, sampler=sampler,
                                                     device_pass=dp, prompt_cache=cache,
                                                     after_prefill=om.cache.settle_inflight)
