@@ -1,0 +1,132 @@
+"""Run a command under a memory cap that counts page cache: a Linux cgroup v1 memory controller.
+
+A 16 GB Mac cannot keep a 17-20 GB checkpoint in its page cache; this machine (24 GB) can, which would
+make every "disk" read a memory copy. A memory cgroup charges the page cache its processes fault in to
+the cgroup, so under an 8 GB cap a 19 GB checkpoint really streams from the disk.
+
+    with MemoryCgroup(8 * 10**9) as cg:
+        result = cg.run(["specmoe", "generate", ...])
+    result.cgroup_peak_bytes   memory.max_usage_in_bytes: process memory plus charged page cache
+    result.rss_peak_bytes      the command's own peak RSS (wait4's ru_maxrss, the kernel's VmHWM)
+    result.oom_killed          the kernel's OOM killer fired inside the cgroup (exit 137)
+
+`drop_file_cache(paths)` evicts one checkpoint's pages from the page cache (posix_fadvise DONTNEED, this
+file's pages only, nobody else's) so a run starts cold even after an uncapped run read the same files.
+
+Invariants: the cgroup is /sys/fs/cgroup/memory/specmoe-<pid>-<n>, created for one `with` block and
+removed after it (its processes have exited by then); only the command's process (and its children) join
+it, never the caller; `available()` says whether this machine allows it (root, cgroup v1 memory mounted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class CappedResult:
+    exit_code: int  # the command's exit code (-9 / 137: killed)
+    wall_s: float  # wall time of the command
+    cgroup_peak_bytes: int  # memory.max_usage_in_bytes: RSS plus the page cache charged to the cgroup
+    rss_peak_bytes: int  # the command's peak RSS (its largest process, ru_maxrss)
+    oom_killed: bool  # the OOM killer fired in the cgroup
+    limit_bytes: int  # the cap the command ran under
+
+
+def available(root: Path = CGROUP_MEMORY_ROOT) -> str | None:
+    """None when capped runs work here, else why not (one line)."""
+    if not (root / "memory.limit_in_bytes").exists():
+        return f"no cgroup v1 memory controller at {root}"
+    if not os.access(root, os.W_OK):
+        return f"{root} is not writable (run as root)"
+    return None
+
+
+class MemoryCgroup:
+    """One memory cgroup with a limit, for running commands under it (see the module docstring)."""
+
+    def __init__(self, limit_bytes: int, root: Path = CGROUP_MEMORY_ROOT):
+        if limit_bytes <= 0:
+            raise ValueError(f"cap {limit_bytes}: expected a positive number of bytes")
+        self.limit_bytes = int(limit_bytes)
+        self.path = root / f"specmoe-{os.getpid()}-{next(_counter)}"
+
+    def __enter__(self) -> "MemoryCgroup":
+        self.path.mkdir()
+        (self.path / "memory.limit_in_bytes").write_text(str(self.limit_bytes))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _ in range(50):  # the kernel frees the cgroup once its last task has gone
+            try:
+                (self.path / "memory.force_empty").write_text("0")
+            except OSError:
+                pass
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    def _read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def _oom_kills(self) -> int:
+        for line in self._read("memory.oom_control").splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def run(self, cmd: list[str], *, stdout=None, stderr=None, env=None, timeout_s: float | None = None) -> CappedResult:
+        """Run `cmd` inside the cgroup (it joins before exec, so its whole life is capped) and wait."""
+        procs = str(self.path / "cgroup.procs")
+        (self.path / "memory.max_usage_in_bytes").write_text("0")  # reset the peak
+        before = self._oom_kills()
+        wrapper = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *cmd]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(wrapper, stdout=stdout, stderr=stderr, env=env)
+        deadline = None if timeout_s is None else t0 + timeout_s
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                proc.kill()
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return CappedResult(exit_code=proc.returncode, wall_s=wall,
+                            cgroup_peak_bytes=int(self._read("memory.max_usage_in_bytes")),
+                            rss_peak_bytes=int(usage.ru_maxrss) * 1024, oom_killed=self._oom_kills() > before,
+                            limit_bytes=int(self._read("memory.limit_in_bytes")))
+
+
+def run_uncapped(cmd: list[str], *, stdout=None, stderr=None, env=None) -> CappedResult:
+    """The same measurement without a cap (cgroup peak 0): for the resident reference runs."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return CappedResult(proc.returncode, time.perf_counter() - t0, 0, int(usage.ru_maxrss) * 1024,
+                        proc.returncode in (-9, 137), 0)
+
+
+def drop_file_cache(paths) -> int:
+    """Evict these files' pages from the page cache (POSIX_FADV_DONTNEED); returns bytes covered."""
+    total = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total

@@ -1,0 +1,55 @@
+"""The capped-run harness (bench/capped_run.py) on a toy-width checkpoint: stock resident, specmoe at 100%
+and specmoe at 50% under a real cgroup memory cap, each row judged against the compute + I/O limit."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.bench_scripts import BENCH
+
+sys.path.insert(0, str(BENCH.parent))
+from bench import capped_run  # noqa: E402
+from bench.fullscale_cgroup import available  # noqa: E402
+from bench.fullscale_checkpoint import write_checkpoint  # noqa: E402
+
+
+def test_limits_are_compute_plus_reads_over_bandwidth():
+    assert capped_run.decode_limit_s(2.0, 147.0, 2e9) == pytest.approx(2.0735)
+    assert capped_run.ttft_limit_s(1.0, 2_700_000_000, 2e9) == pytest.approx(2.35)
+    with pytest.raises(ValueError, match="--caps '40%'"):
+        capped_run.parse_gb("40%")
+
+
+def test_capped_run_rows_on_a_small_checkpoint(tmp_path, capsys):
+    model = write_checkpoint(tmp_path / "ckpt", "qwen3-30b-a3b", small=True, layers=2)["out"]
+    caps = "1GB" if available() is None else ""
+    out = tmp_path / "fullscale.txt"
+    assert capped_run.main(["--model", model, "--caps", caps, "--budgets", "50%", "-n", "5",
+                            "--bandwidth-gbps", "2.0", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("# capped_run:") and "load average before" in lines[0]
+    summary = json.loads(lines[-1])
+    rows = {r["run"] + (f" @ {r['cap_gb']}" if r["cap_gb"] else ""): r for r in summary["rows"]}
+    assert all(r["exit_code"] == 0 for r in rows.values())
+    assert rows["specmoe 100%"]["tokens_equal"] == "yes" and rows["specmoe 100%"]["hit_rate"] == 1.0
+    compute = summary["compute_s_per_token"]
+    assert compute == pytest.approx(1 / rows["specmoe 100%"]["tok_s"])
+    if caps:
+        capped = rows["specmoe 50% @ 1.0"]
+        assert capped["tokens_equal"] == "yes" and capped["hit_rate"] < 1.0 and capped["mb_per_token"] > 0
+        assert 0 < capped["cgroup_peak_gb"] <= 1.0 and capped["rss_peak_gb"] > 0 and not capped["oom_killed"]
+        assert capped["limit_tok_s"] == pytest.approx(1 / (compute + capped["mb_per_token"] * 1e6 / 2e9))
+        assert capped["ratio"] == pytest.approx(capped["tok_s"] / capped["limit_tok_s"])
+        assert capped["ttft_limit_s"] > summary["prefill_compute_s"]  # the prompt's unique experts are read
+    assert "specmoe 100%" in capsys.readouterr().out
+
+
+def test_capped_run_refuses_bad_input(tmp_path, capsys):
+    assert capped_run.main(["--model", str(tmp_path), "--caps", "8GB"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert capped_run.main(["--model", str(tmp_path), "--caps", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--caps 'lots'" in err
