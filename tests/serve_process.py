@@ -26,16 +26,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get_json(url: str, timeout: float = 10.0) -> tuple[int, dict]:
+def get_json(url: str, timeout: float = 10.0, headers: dict | None = None) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:  # uvicorn's own plain-text answers (503 over --max-connections)
+            return e.code, {"error": raw.decode(errors="replace")}
 
 
-def post_raw(url: str, body: bytes, timeout: float = 60.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+def post_raw(url: str, body: bytes, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -69,14 +74,26 @@ def wait_for_health(base: str, proc: subprocess.Popen, log_path: Path, startup_s
 @contextmanager
 def serve(args: list[str], log_path: Path, startup_s: float = 240.0):
     """Yields the base URL (http://127.0.0.1:PORT) of `specmoe serve ARGS --port PORT`."""
+    with serve_process(args, log_path, startup_s) as (base, _):
+        yield base
+
+
+def open_fds(pid: int) -> int:
+    """File descriptors process `pid` holds open (Linux /proc)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@contextmanager
+def serve_process(args: list[str], log_path: Path, startup_s: float = 240.0, env: dict | None = None):
+    """Yields (base URL, the server's Popen) of `specmoe serve ARGS --port PORT`."""
     port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "runtime.cli.app", "serve", *args, "--port", str(port)],
-                            cwd=ROOT, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
+                            cwd=ROOT, env=cli_env(**(env or {})), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(base, proc, log_path, startup_s, "specmoe serve")
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         try:

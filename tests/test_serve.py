@@ -57,14 +57,16 @@ def test_health_and_models_say_what_is_served(server, client, target):
     assert [m.id for m in client.models.list().data] == [str(target)]
 
 
-def test_browsers_may_call_it_cors(server):
+def test_no_cors_by_default(server):
+    import urllib.error
     import urllib.request
 
     req = urllib.request.Request(server + "/v1/chat/completions", method="OPTIONS", headers={
         "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "content-type"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] in ("*", "http://localhost:3000")
+    with pytest.raises(urllib.error.HTTPError) as info:  # a page's preflight is refused: no browser may call it
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 403 and "Access-Control-Allow-Origin" not in info.value.headers
 
 
 def test_chat_non_streaming_and_streaming_equal_specmoe_generate(client, target, reference):
@@ -175,7 +177,7 @@ def test_disconnect_mid_stream_cancels_and_the_server_keeps_serving(server, clie
     body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2000, "stream": True,
                        "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         seen = b""
         while seen.count(b"data: ") < 3:  # the role chunk and two content chunks
@@ -198,7 +200,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_cancels_it(server, 
     port = int(server.rsplit(":", 1)[1])
     body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2000}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until *this* request is the one generating (not a previous one)
@@ -218,7 +220,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_cancels_it(server, 
 
 @pytest.mark.parametrize("kwargs, status, needle", [
     (dict(model="gpt-4"), 404, "model 'gpt-4' is not served"),
-    (dict(temperature=-1), 400, "'temperature' must be >= 0"),
+    (dict(temperature=-1), 400, "'temperature' must be in [0, 100]"),
     (dict(top_p=2), 400, "'top_p' must be in [0, 1]"),
     (dict(max_tokens=0), 400, "'max_tokens' must be >= 1"),
     (dict(extra_body={"top_k": "many"}), 400, "'top_k' must be an integer"),
@@ -273,5 +275,5 @@ def test_speculative_server_gives_the_same_text_and_reports_acceptance(target, r
         assert r.choices[0].finish_reason in ("stop", "length")  # mlx-lm's filters, kept by speculative sampling
         stats = get_json(base + "/v1/specmoe/stats")[1]
     spec = stats["speculative"]
-    assert spec["drafter"] == str(drafter) and spec["rounds"] > 0 and 0 <= spec["acceptance"] <= 1
+    assert spec["drafter"] == drafter.name and spec["rounds"] > 0 and 0 <= spec["acceptance"] <= 1
     assert stats["host_syncs"]["per_token"] > 0

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import typer
 
+from runtime.cli import engine_options as eo
 from runtime.cli import options as opt
-from runtime.cli.engine_options import load_engine
 
 HELP = "commands: /reset (new conversation), /stats (cache and last reply), /help, /quit (or Ctrl-D)"
 
@@ -88,21 +88,24 @@ def register(app: typer.Typer) -> None:
         predictor: str = opt.predictor_option(),
         cutoff: int = opt.cutoff_option(),
         policy: str = opt.policy_option(),
-        one_sync: str = typer.Option("auto", "--one-sync", help="One-host-sync decode steps: auto, on or off."),
-        route_ahead: str = opt.route_ahead_option(),
-        governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
-                                      help="Shrink the expert cache while available RAM is low; grow it back after."),
+        one_sync: str = eo.one_sync_option(),
+        io_mode: str = eo.io_mode_option(),
+        threads: int = eo.threads_option(),
+        governor: bool = eo.governor_option(),
+        memory_limit: str = eo.memory_limit_option(),
+        kv_bits: int = eo.kv_bits_option(),
     ):
         """Chat with the model: multi-turn, streaming, the prompt cache reused across turns."""
         from runtime.serve import Backend, ChatSession
 
-        if one_sync not in ("auto", "on", "off"):
-            raise ValueError(f"--one-sync {one_sync!r}; expected auto, on or off")
-        engine = load_engine(model, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
-                             cutoff=cutoff, policy=policy, governor=governor, route_ahead=route_ahead)
+        eo.check_one_sync(one_sync)
+        engine = eo.load_engine(model, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
+                                cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor,
+                                memory_limit=memory_limit, kv_bits=kv_bits, one_sync=one_sync)
         try:
             sampling = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-            session = ChatSession(Backend(engine, one_sync=one_sync, prompt_cache_size=1), sampling, system_prompt)
+            backend = Backend(engine, one_sync=one_sync, prompt_cache_size=1, kv_bits=kv_bits)
+            session = ChatSession(backend, sampling, system_prompt)
             run_repl(session, iter(sys.stdin.readline, ""), sys.stdout)
         finally:
             engine.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from runtime.cache import format_bytes
+from runtime.cli import engine_options as eo
 from runtime.cli import options as opt
 from runtime.observe import console, err_console, progress_bar, write_json
 
@@ -116,9 +117,7 @@ def register(app: typer.Typer) -> None:
         forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default: the width `specmoe tune` kept for this model, drafter, budget and machine, else the model's k; 2k covers more, reads more)."),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
-        one_sync: str = typer.Option("auto", "--one-sync",
-                                       help="Decode steps and verify passes look experts up on the device with one host "
-                                            "sync, repaired when one was absent: auto/on; off: one sync per MoE layer."),
+        one_sync: str = eo.one_sync_option(),
         warm: Path = typer.Option(None, "--warm", help="Warm start below a full budget: fill the cache before decoding with "
                                                         "the most used experts of a routing trace (.smtrace), the model's "
                                                         "tuning.json (`specmoe tune`) or a JSON of expert_counts (a full "
@@ -134,22 +133,18 @@ def register(app: typer.Typer) -> None:
                                               help="Routing trace of this model (specmoe profile --trace): split the "
                                                    "cache's slots over layers by their miss curves (same total)."),
         route_ahead: str = opt.route_ahead_option(),
-        io_mode: str = typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."),
+        io_mode: str = eo.io_mode_option(),
         threads: int = opt.threads_option(),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
         chat: bool = typer.Option(True, "--chat/--raw-prompt", help="Apply the tokenizer's chat template if it has one."),
         json_path: Path = opt.json_option("Write the text and stats as JSON to this path."),
-        governor: bool = typer.Option(True, "--memory-governor/--no-memory-governor",
-                                      help="Shrink the expert cache while available RAM is low; grow it back after."),
+        governor: bool = eo.governor_option(),
         prompt_cache_file: Path = typer.Option(None, "--prompt-cache",
                                                help="Reuse a processed prompt prefix (KV cache and state) from this "
                                                     "file; the prompt is appended to it. If the file does not exist, "
                                                     "the prompt's prefix is processed and saved there (as mlx_lm.cache_prompt)."),
-        memory_limit: str = typer.Option("auto", "--memory-limit",
-                                         help="Cap on the whole process (weights, KV and state, drafter, expert cache): "
-                                              "12GB, 900MiB, auto (RAM or the GPU working set), or none. The expert "
-                                              "cache gives slots back as the KV cache grows."),
-        kv_bits: int = typer.Option(None, "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (mlx-lm's kv_bits; plain decoding)."),
+        memory_limit: str = eo.memory_limit_option(),
+        kv_bits: int = eo.kv_bits_option(),
         inject: str = typer.Option(None, "--inject", hidden=True, help="Debug: inject disk faults (spec: storage/faults.py)."),
         pipeline: bool = opt.pipeline_option("generate"),
         pipeline_split: str = opt.pipeline_split_option(),
@@ -167,8 +162,8 @@ def register(app: typer.Typer) -> None:
         prompt = opt.read_prompt(prompt)
         if num_draft is not None and num_draft < 1:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
-        if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"--kv-bits {kv_bits}; expected 4 or 8 (mlx-lm also takes 2, 3, 5, 6)")
+        eo.check_one_sync(one_sync)
+        eo.check_kv_bits(kv_bits, None)  # with --draft: SPECULATIVE_REFUSAL below
         if draft is not None and (prompt_cache_file is not None or kv_bits is not None):
             raise ValueError(SPECULATIVE_REFUSAL["--prompt-cache" if prompt_cache_file is not None else "--kv-bits"])
         opt.check_route_ahead(route_ahead)
@@ -178,7 +173,7 @@ def register(app: typer.Typer) -> None:
                       threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
                       projection=projection, forecast_k=forecast_k,
                       max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=None if memory_limit.lower() == "none" else memory_limit,
+                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=eo.memory_limit_value(memory_limit),
                       lookahead=lookahead, lookahead_experts=lookahead_experts, slot_trace=slots_from_trace,
                       route_ahead=route_ahead)
         with engine:

@@ -1,9 +1,11 @@
 """runtime.serve: an OpenAI-compatible HTTP server (`specmoe serve`), in mlx_lm.server's shape.
 
-Owns: request validation (`validation`), the one-at-a-time generation queue (`queue`), stop
-strings (`stops`), OpenAI response objects and SSE framing (`sse`), the Starlette routes (`app`),
-the engine adapter shared with `specmoe chat` (`backend`), a chat conversation (`chat_session`)
-and server start-up (`server`).
+Owns: request validation (`validation`), who may call (`security`: Host, Origin, API key), the
+bounds of a request (`limits`: body size and time, queue, run time), uvicorn's protocol with a
+header deadline (`protocol`), the one-at-a-time generation queue (`queue`), stop strings
+(`stops`), OpenAI response objects and SSE framing (`sse`), the Starlette routes (`app`), the
+engine adapter shared with `specmoe chat` (`backend`), a chat conversation (`chat_session`) and
+server start-up (`server`).
 
 Invariants kept at this boundary: HTTP is parsed by Starlette/uvicorn, never by hand; client
 errors are 4xx JSON naming the problem and the server keeps serving; the model is used by one
@@ -13,14 +15,17 @@ thread, one request at a time; a disconnected client's generation is cancelled.
 from runtime.serve.app import ServerState, build_app
 from runtime.serve.backend import Backend, Piece
 from runtime.serve.chat_session import ChatSession
-from runtime.serve.queue import GenerationQueue, Job, JobEvent
-from runtime.serve.server import ServeConfig, context_limit, run_server, serve_backend
+from runtime.serve.limits import DEFAULT_MAX_BODY_BYTES, RequestLimits, read_body
+from runtime.serve.queue import GenerationQueue, Job, JobEvent, QueueFull
+from runtime.serve.security import AccessPolicy, Guard, is_loopback
+from runtime.serve.server import ServeConfig, bind, context_limit, run_server, serve_backend
 from runtime.serve.sse import SSE_DONE, ResponseFormat, sse, usage
 from runtime.serve.stops import StopMatcher
 from runtime.serve.validation import CompletionRequest, RequestError, SamplingDefaults, parse_completion, parse_json
 
 __all__ = [
-    "ServerState", "build_app", "Backend", "Piece", "ChatSession", "GenerationQueue", "Job", "JobEvent", "ServeConfig", "context_limit",
+    "ServerState", "build_app", "Backend", "Piece", "ChatSession", "GenerationQueue", "Job", "JobEvent", "QueueFull",
+    "DEFAULT_MAX_BODY_BYTES", "RequestLimits", "read_body", "AccessPolicy", "Guard", "is_loopback", "ServeConfig", "bind", "context_limit",
     "run_server", "serve_backend", "SSE_DONE", "ResponseFormat", "sse", "usage", "StopMatcher", "CompletionRequest", "RequestError",
     "SamplingDefaults", "parse_completion", "parse_json",
 ]

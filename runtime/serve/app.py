@@ -6,28 +6,41 @@
     GET  /health                {"status": "ok", "queue": {...}}: requests run one at a time
     GET  /v1/specmoe/stats      hit rate, host syncs, bytes read, acceptance, memory
 
+Every request first passes runtime.serve.security.Guard (Host, Origin, API key); a completion's
+body is read under runtime.serve.limits (size cap, deadline), then parsed, validated and tokenized
+on a worker thread (one at a time, never on the event loop), its `max_tokens` clamped to the
+context left after the prompt, and queued (429 with Retry-After when --max-queue requests wait).
+
 Invariants: every client error is a 4xx JSON body {"error": {"message", "type", "param", "code"}}
 naming the problem (RequestError), and the server keeps serving; a request is tokenized and
-length-checked before it is queued; a client that disconnects (streaming or not) cancels its job.
+length-checked before it is queued; a client that disconnects (streaming or not) cancels its job;
+/health and /v1/specmoe/stats name no filesystem path (stats adds them for `?paths=1` only when
+an API key is set, so only a caller holding it sees them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.serve.queue import GenerationQueue, Job
+from runtime.serve.limits import RequestLimits, read_body
+from runtime.serve.queue import GenerationQueue, Job, QueueFull
+from runtime.serve.security import AccessPolicy, Guard
 from runtime.serve.sse import SSE_DONE, ResponseFormat, sse, usage
-from runtime.serve.validation import RequestError, SamplingDefaults, parse_completion, parse_json
+from runtime.serve.validation import CompletionRequest, RequestError, SamplingDefaults, parse_completion, parse_json
 
 __all__ = ["ServerState", "build_app"]
 
@@ -43,7 +56,11 @@ class ServerState:
     aliases: frozenset[str]  # other names a request may use for the model (path, directory name)
     defaults: SamplingDefaults
     max_prompt_tokens: int  # longer prompts are refused with 400 context_length_exceeded
-    allowed_origins: tuple[str, ...] = ("*",)  # CORS, as mlx_lm.server --allowed-origins (browser chat UIs)
+    context_tokens: int = 32768  # the model's context: max_tokens is clamped to what the prompt leaves of it
+    vocab_size: int | None = None  # top_k may not exceed it
+    policy: AccessPolicy = field(default_factory=AccessPolicy)  # Host, CORS origins, API key
+    limits: RequestLimits = field(default_factory=RequestLimits)  # body size and time, queue, run time
+    _tokenizing: object = None  # anyio.CapacityLimiter(1), made on the event loop: one request parsed at a time
 
     def check_model(self, name: str | None) -> None:
         if name is None or name in ("default_model", self.model_id) or name in self.aliases:
@@ -52,8 +69,38 @@ class ServerState:
                            "(GET /v1/models)", status=404, param="model", code="model_not_found")
 
 
-def _error(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[int]]:
+        """Parse, check and tokenize one body (runs on a worker thread); max_tokens clamped to the context."""
+        req = parse_completion(parse_json(raw), kind, self.defaults, self.vocab_size)
+        self.check_model(req.model)
+        param = "messages" if kind == "chat" else "prompt"
+        try:
+            ids = self.backend.encode(req)
+        except Exception as e:  # e.g. a chat template that rejects this sequence of roles, unencodable text
+            what = "apply the model's chat template to these messages" if kind == "chat" else "tokenize this prompt"
+            raise RequestError(f"could not {what}: {str(e)[:200]}", param=param) from None
+        if len(ids) > self.max_prompt_tokens:
+            raise RequestError(f"the prompt is {len(ids)} tokens; this server takes at most "
+                               f"{self.max_prompt_tokens} (--max-prompt-tokens)", param=param,
+                               code="context_length_exceeded")
+        left = self.context_tokens - len(ids)
+        if left < 1:
+            raise RequestError(f"the prompt is {len(ids)} tokens and fills the model's context of "
+                               f"{self.context_tokens}; nothing is left to generate", param=param,
+                               code="context_length_exceeded")
+        req.max_tokens = min(req.max_tokens, left)
+        return req, ids
+
+    async def prepare_off_loop(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[int]]:
+        if self._tokenizing is None:
+            self._tokenizing = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(self.prepare, raw, kind, limiter=self._tokenizing)
+
+
+def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:
+    if e.status in (408, 413):  # the body was left unread: close the connection rather than read the rest
+        headers = {**(headers or {}), "Connection": "close"}
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -82,22 +129,18 @@ async def _next_event(job: Job, request: Request | None):
 def build_app(state: ServerState) -> Starlette:
     async def completions(request: Request, kind: str):
         try:
-            body = parse_json(await request.body())
-            req = parse_completion(body, kind, state.defaults)
-            state.check_model(req.model)
-            try:
-                ids = state.backend.encode(req)
-            except Exception as e:  # e.g. a chat template that rejects this sequence of roles
-                raise RequestError(f"could not apply the model's chat template to these messages: {e}",
-                                   param="messages" if kind == "chat" else "prompt") from None
-            if len(ids) > state.max_prompt_tokens:
-                raise RequestError(f"the prompt is {len(ids)} tokens; this server takes at most "
-                                   f"{state.max_prompt_tokens} (--max-prompt-tokens)",
-                                   param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+            raw = await read_body(request, state.limits)
+            req, ids = await state.prepare_off_loop(raw, kind)
+            del raw
+            job = state.queue.submit(ids, req)
         except RequestError as e:
             return _error(e)
+        except QueueFull as e:
+            return _error(RequestError(str(e), status=429, type="rate_limit_error", code="queue_full"),
+                          {"Retry-After": str(e.retry_after_s)})
+        except ClientDisconnect:
+            return Response(status_code=499)
         fmt = ResponseFormat(kind, model=req.model or state.model_id)
-        job = state.queue.submit(ids, req)
         if req.stream:
             return StreamingResponse(_stream(job, fmt, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -151,8 +194,14 @@ def build_app(state: ServerState) -> Starlette:
     async def health(request: Request):
         return JSONResponse({"status": "ok", "queue": state.queue.status()})
 
+    takes_paths = "paths" in inspect.signature(state.backend.stats).parameters
+
     async def stats(request: Request):
-        return JSONResponse({"model": state.model_id, "queue": state.queue.status(), **state.backend.stats()})
+        # The Guard has checked the key when one is set; without a key nobody is asked, so paths are never shown.
+        paths = request.query_params.get("paths") == "1" and state.policy.api_key is not None and takes_paths
+        name = state.model_id if paths or not Path(state.model_id).exists() else Path(state.model_id).name
+        return JSONResponse({"model": name, "queue": state.queue.status(),
+                             **(state.backend.stats(paths=True) if paths else state.backend.stats())})
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -162,6 +211,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/v1/specmoe/stats", stats, methods=["GET"]),
     ]
-    middleware = [Middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["GET", "POST"],
-                             allow_headers=["*"])]
+    middleware = [Middleware(Guard, policy=state.policy)]  # outermost: Host, Origin and key before anything else
+    if state.policy.cors_origins:  # only origins named with --cors-origin get CORS headers (preflights included)
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.policy.cors_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["*"]))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})

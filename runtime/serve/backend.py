@@ -2,12 +2,20 @@
 
 `encode` turns a request into prompt ids with mlx-lm's conventions (the tokenizer's chat template
 with the generation prompt; without a template, mlx_lm.server's plain role transcript);
-`stream` yields runtime.api responses; `stats` is what GET /v1/specmoe/stats reports (host syncs are counted when the decode loop
-reports them, else estimated from the forward and one-sync counters; MLX has no sync counter).
+`stream` yields runtime.api responses; `stats` is what GET /v1/specmoe/stats reports.
+
+Counters (lifetime, since the server started; `last_request` is the same record for one run):
+every run adds its prompt and completion tokens and the host syncs the expert cache counted
+during it (router read-backs and device-pass syncs, prefill included); a run whose decoder
+reported its forwards (it ran to end of sequence or max_tokens) also adds those forwards and
+how many of them took one host sync. A run ended early (stop string, disconnect,
+--request-timeout) has no decoder report: its tokens and syncs count, its forwards do not, and
+`unreported_runs` says how many such runs there were.
 
 Invariants: only the generation worker (or the REPL's one thread) calls `stream`; a chat request
 with one user message encodes to exactly the ids `specmoe generate -p TEXT` uses, so greedy
-output is the same text; the stats are cumulative since the server started.
+output is the same text; one_sync_forwards <= forwards; the lifetime counters are the sums of
+the per-run records; no filesystem path is reported unless `stats(paths=True)`.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from runtime.serve.prompt_pool import PromptCachePool
 
@@ -35,18 +44,21 @@ class Piece:
 
 class Backend:
     def __init__(self, engine, *, one_sync: str = "auto", chat_template_args: dict | None = None,
-                 prompt_cache_size: int = 2):
+                 prompt_cache_size: int = 2, kv_bits: int | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.one_sync = one_sync
+        self.kv_bits = kv_bits  # --kv-bits: quantized KV cache (plain decoding)
         self.chat_template_args = dict(chat_template_args or {})
         self.started = time.time()
         self._lock = threading.Lock()
         self._totals = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0,
                         "decode_s": 0.0}
-        self._syncs = {"forwards": 0, "one_sync_forwards": 0, "counted": 0, "estimated": 0, "tokens": 0}
+        self._syncs = {"host_syncs": 0, "forwards": 0, "one_sync_forwards": 0, "reported_tokens": 0,
+                       "unreported_runs": 0}
         self._spec = {"drafted": 0, "accepted": 0, "rounds": 0}
         self._last = None  # RunStats of the last finished request
+        self._last_counts = None  # that request's counter record (what it added to the lifetime counters)
         self.pool = _prompt_pool(engine, prompt_cache_size)  # None: speculative (no prompt cache yet)
 
     # -- prompts -----------------------------------------------------------------------------
@@ -77,64 +89,58 @@ class Backend:
         from runtime.api import stream_generate
 
         t0 = time.perf_counter()
+        syncs0 = self._host_syncs()
         last, cached = None, None
-        extra = {}
+        extra = {"kv_bits": self.kv_bits} if self.kv_bits else {}
         if self.pool is not None:
             extra["prompt_cache"] = cache = self.pool.take(ids)
         try:
             for last in stream_generate(self.engine, ids, request.max_tokens, temp=request.temperature,
                                         top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
                                         seed=request.seed, one_sync=self.one_sync, **extra):
-                if extra and cached is None:
+                if self.pool is not None and cached is None:
                     cached = cache.reused  # set by the prefill, before the first token
                 yield Piece(last.text, last.token, last.finish_reason, last.stats, cached)
         finally:
+            n = last.stats.generation_tokens if last is not None else 0
+            record = {"prompt_tokens": len(ids), "completion_tokens": n, "host_syncs": self._host_syncs() - syncs0,
+                      **_forwards(last.detail if last is not None else None, n)}
             with self._lock:
                 t = self._totals
                 t["requests"] += 1
                 t["prompt_tokens"] += len(ids)
+                t["completion_tokens"] += n
                 t["cached_prompt_tokens"] += cached or 0
                 t["decode_s"] += time.perf_counter() - t0
+                s = self._syncs
+                s["host_syncs"] += record["host_syncs"]
+                if record["forwards"] is None:
+                    s["unreported_runs"] += 1
+                else:
+                    s["forwards"] += record["forwards"]
+                    s["one_sync_forwards"] += record["one_sync_forwards"]
+                    s["reported_tokens"] += n
+                spec = getattr(last.stats, "speculative", None) if last is not None else None
+                if spec is not None:  # the drafter's part of the run so far: known however the run ended
+                    self._spec["drafted"] += spec.drafted
+                    self._spec["accepted"] += spec.accepted
+                    self._spec["rounds"] += spec.rounds
                 if last is not None:
-                    t["completion_tokens"] += last.stats.generation_tokens
                     self._last = last.stats
-                    if last.detail is not None:
-                        self._count_syncs(last.detail, last.stats.generation_tokens)
+                self._last_counts = record
 
-    def _count_syncs(self, detail, n_tokens: int) -> None:
-        """Host syncs of one run: counted when the decode stats carry them (hot-path counters), else
-        estimated from the forward and one-sync counters (see `stats`)."""
-        n_moe = len(self.engine.model.moe_layers)
-        ok = detail.one_sync_tries - detail.one_sync_fallbacks
-        if hasattr(detail, "n_rounds"):  # speculative: verify passes, reruns, drafted tokens
-            forwards = detail.n_rounds + detail.n_reruns
-            readbacks = detail.n_rounds + detail.n_drafted
-            counted = getattr(detail, "host_syncs", None)
-            counted = None if counted is None else counted + detail.n_drafted  # + the drafter's readbacks
-            self._spec["drafted"] += detail.n_drafted
-            self._spec["accepted"] += detail.n_accepted
-            self._spec["rounds"] += detail.n_rounds
-        else:  # plain: one decode step per token after the first
-            forwards = max(0, n_tokens - 1)
-            readbacks = n_tokens
-            per = getattr(detail, "host_syncs_per_token", None)
-            counted = None if per is None else per * forwards
-        s = self._syncs
-        s["forwards"] += forwards
-        s["one_sync_forwards"] += ok
-        s["tokens"] += n_tokens
-        if counted is not None:
-            s["counted"] += counted
-        else:
-            s["estimated"] += ok + (forwards - ok) * n_moe + detail.one_sync_fallbacks + readbacks
+    def _host_syncs(self) -> int:
+        return self.engine.model.cache.host_syncs
 
     # -- observability -----------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self, paths: bool = False) -> dict:
+        """What GET /v1/specmoe/stats reports; `paths` adds the drafter's and the store's directories."""
         om = self.engine.model
         c = om.counters()
         hits, misses = c["hits"], c["misses"]
         with self._lock:
             totals, last, syncs, spec = dict(self._totals), self._last, dict(self._syncs), dict(self._spec)
+            counts = self._last_counts
         out = {
             "uptime_s": round(time.time() - self.started, 1),
             "requests": totals,
@@ -144,27 +150,45 @@ class Backend:
             "io": {"bytes_read": c["bytes_read"], "load_wait_ms": round(c["load_wait_ms"], 3),
                    "prefetch_used": c.get("prefetch_hits", 0),
                    "prefetch_wasted": c.get("prefetch_wasted", 0) + c.get("prefetch_cancelled", 0)},
-            "host_syncs": {"total": syncs["counted"] + syncs["estimated"],
-                           "per_token": (syncs["counted"] + syncs["estimated"]) / syncs["tokens"]
-                           if syncs["tokens"] else None,
-                           "counted": syncs["counted"], "estimated": syncs["estimated"],
+            "host_syncs": {"total": syncs["host_syncs"],
+                           "per_token": syncs["host_syncs"] / totals["completion_tokens"]
+                           if totals["completion_tokens"] else None,
                            "forwards": syncs["forwards"], "one_sync_forwards": syncs["one_sync_forwards"],
-                           "how": "counted by the decode loop when it reports them; otherwise estimated: 1 per "
-                                  "one-sync forward, 1 per MoE layer per other forward (+1 per failed one-sync "
-                                  "try), 1 per token or drafted-token readback; prefill not counted"},
+                           "reported_tokens": syncs["reported_tokens"], "unreported_runs": syncs["unreported_runs"],
+                           "how": "total: host syncs the expert cache counted (router read-backs, device-pass syncs; "
+                                  "prefill included; token read-backs outside device passes are not). forwards: "
+                                  "model forwards of runs that ran to their end (plain: every forward after the "
+                                  "prompt, one per token without device passes; speculative: verify passes and "
+                                  "re-runs), reported_tokens their tokens; runs ended early (stop string, "
+                                  "disconnect, timeout) are unreported_runs"},
             "speculative": None,
             "memory": _memory(om),
             "last_request": None,
         }
         if self.engine.draft is not None:
             d = self.engine.draft
-            out["speculative"] = {"drafter": str(d.path), "num_draft": d.num_draft, "predictor": d.predictor,
+            out["speculative"] = {"drafter": str(d.path) if paths else Path(d.path).name, "num_draft": d.num_draft, "predictor": d.predictor,
                                   "cutoff": d.cutoff, "rounds": spec["rounds"],
                                   "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
                                   "acceptance_last_request": getattr(last, "acceptance", None)}
         if last is not None:
-            out["last_request"] = last.to_json()  # runtime.api RunStats (docs/json.md)
+            out["last_request"] = {**last.to_json(), **(counts or {})}  # runtime.api RunStats (docs/json.md)
+        if paths:
+            out["paths"] = {"store": str(om.store.model_dir)}
         return out
+
+
+def _forwards(detail, n_tokens: int) -> dict:
+    """A run's forwards and one-sync forwards from its decoder's report (None: the run ended early)."""
+    if detail is None:
+        return {"forwards": None, "one_sync_forwards": None}
+    tries = getattr(detail, "one_sync_tries", 0)
+    one_sync = tries - getattr(detail, "one_sync_fallbacks", 0)
+    if hasattr(detail, "n_rounds"):  # speculative: verify passes and re-runs of accepted tokens
+        return {"forwards": detail.n_rounds + detail.n_reruns, "one_sync_forwards": one_sync}
+    # plain: with device passes every forward after the prompt is one (counted, with the one queued after the
+    # last token as mlx-lm's generate_step queues it); without, one forward per token
+    return {"forwards": tries or n_tokens, "one_sync_forwards": one_sync}
 
 
 def _prompt_pool(engine, size: int):

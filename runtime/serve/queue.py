@@ -4,10 +4,16 @@ Requests are served first come, first served. Each job streams `JobEvent`s back 
 loop of the request that submitted it; text is cut at the request's stop strings here, so a
 stopped generation stops decoding too.
 
+At most `max_queue` jobs wait or run at once: `submit` raises QueueFull beyond that (the route
+answers 429 with Retry-After). With `request_timeout_s`, a generation that has run that long
+stops before its next token and ends with finish_reason "length" (the text so far is kept); the
+prompt's prefill is not interrupted.
+
 Invariants: the model is only touched by the worker thread; a job whose `cancel` is set (its
 client went away) is skipped if still queued, or stopped before its next token if running, and
 the worker goes on with the next job; every job ends with exactly one event of kind "done" or
-"error"; an exception in one job never stops the worker.
+"error"; an exception in one job never stops the worker; `pending` counts submitted jobs not yet
+ended, so the queue bound holds however jobs end.
 """
 
 from __future__ import annotations
@@ -22,9 +28,18 @@ from typing import Any
 
 from runtime.serve.stops import StopMatcher
 
-__all__ = ["GenerationQueue", "Job", "JobEvent"]
+__all__ = ["GenerationQueue", "Job", "JobEvent", "QueueFull"]
 
 log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """`max_queue` jobs are already waiting or running; `retry_after_s` is a guess at when one ends."""
+
+    def __init__(self, pending: int, retry_after_s: int):
+        super().__init__(f"{pending} requests are already queued or running (--max-queue); retry in "
+                         f"{retry_after_s} s")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -58,34 +73,48 @@ class Job:
 class GenerationQueue:
     """`submit` from the event loop; `backend.stream(ids, request)` runs on the worker thread."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, max_queue: int = 16, request_timeout_s: float | None = None):
         self.backend = backend
+        self.max_queue, self.request_timeout_s = max_queue, request_timeout_s
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.active: Job | None = None
-        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0}
+        self.pending = 0  # submitted and not yet ended
+        self._run_s = 0.0  # seconds the ended jobs ran, for Retry-After
+        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "refused": 0}
         self._thread = threading.Thread(target=self._run, name="specmoe-generation", daemon=True)
         self._thread.start()
 
     def submit(self, ids: list[int], request) -> Job:
         job = Job(ids, request, asyncio.get_running_loop())
         with self._lock:
+            if self.pending >= self.max_queue:
+                self.counts["refused"] += 1
+                ended = sum(self.counts[k] for k in ("completed", "cancelled", "failed"))
+                mean_s = self._run_s / ended if ended else 1.0
+                raise QueueFull(self.pending, max(1, int(mean_s * self.pending + 0.999)))
             self.counts["submitted"] += 1
+            self.pending += 1
         self._jobs.put(job)
         return job
 
     def status(self) -> dict:
         with self._lock:
             return {"mode": "one request at a time (queued, first come first served)",
-                    "queued": self._jobs.qsize(), "busy": self.active is not None, **self.counts}
+                    "queued": self._jobs.qsize(), "busy": self.active is not None, "max_queue": self.max_queue,
+                    **self.counts}
 
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
 
-    def _count(self, key: str) -> None:
+    def _count(self, key: str, started: float | None = None) -> None:
+        """One job ended as `key` (completed, cancelled or failed) after running since `started`."""
         with self._lock:
             self.counts[key] += 1
+            self.pending -= 1
+            if started is not None:
+                self._run_s += time.monotonic() - started
 
     def _run(self) -> None:
         while True:
@@ -98,20 +127,22 @@ class GenerationQueue:
                 continue
             with self._lock:
                 self.active = job
+            started = time.monotonic()
             try:
-                self._serve(job)
+                self._serve(job, started)
             except Exception as e:  # one bad job must not stop the server
                 log.exception("generation failed")
-                self._count("failed")
+                self._count("failed", started)
                 job.put(JobEvent("error", error=f"{type(e).__name__}: {e}"))
             finally:
                 with self._lock:
                     self.active = None
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job, started: float) -> None:
         request = job.request
         stops = StopMatcher(request.stop)
-        n, finish, cached = 0, "length", None
+        n, finish, cached, timed_out = 0, "length", None, False
+        deadline = None if self.request_timeout_s is None else started + self.request_timeout_s
         run = self.backend.stream(job.ids, request)
         try:
             for response in run:
@@ -128,15 +159,21 @@ class GenerationQueue:
                 if response.finish_reason is not None:
                     finish = response.finish_reason
                     break
+                if deadline is not None and time.monotonic() >= deadline:
+                    timed_out = True  # --request-timeout: ends as if max_tokens were reached
+                    break
         finally:
             run.close()  # ends the backend's stream (drafter taps removed, caches kept consistent)
         if job.cancel.is_set():
-            self._count("cancelled")
+            self._count("cancelled", started)
             job.put(JobEvent("error", error="cancelled"))
             return
         tail = stops.flush()
         if tail:
             job.put(JobEvent("text", text=tail))
-        self._count("completed")
+        if timed_out:
+            with self._lock:
+                self.counts["timed_out"] += 1
+        self._count("completed", started)
         job.put(JobEvent("done", finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n,
                          cached_tokens=cached))
