@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny real-layout checkpoints built on the fly (never downloaded)."""
+"""Shared fixtures: tiny real-layout checkpoints built on the fly (never downloaded).
+
+Expensive fixtures are session-scoped and built once (checkpoints, packed stores, a calibrated
+projection); a test that damages what it gets asks for its own copy (`tiny_qwen`). `long_tier`
+spreads a full matrix over the two tiers: the default run keeps the named cases, the long tier
+(`pytest -m long`, also run by CI) the rest.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,23 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 def packed_dirs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("packed")
     return {fam: convert(src, root / fam) for fam, src in tiny_dirs.items()}
+
+
+def long_tier(values, keep) -> list:
+    """Parameters for a full matrix: the values in `keep` run by default, the others in the long tier."""
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.long) for v in values]
+
+
+@pytest.fixture(scope="session")
+def calibrated(tiny_dirs, tmp_path_factory) -> dict:
+    """`specmoe calibrate` run once: qwen3_moe target, a dense qwen3 drafter; the projection file, the
+    drafter and the command's (exit code, stderr) for tests of its output."""
+    root = tmp_path_factory.mktemp("calibrated")
+    drafter = make_tiny(root / "d", "qwen3", seed=5, layers=TINY["layers"])
+    projection = root / "proj.safetensors"
+    code, _, err = run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(drafter),
+                            "--out", str(projection), "--tokens", "1024"])  # plenty for 64-wide layers
+    return {"target": tiny_dirs["qwen3_moe"], "drafter": drafter, "projection": projection, "code": code, "err": err}
 
 
 @pytest.fixture()

@@ -79,6 +79,12 @@ def test_shared_flags_have_one_name_one_short_form_one_default():
                 assert (p.min, p.max) == (1, opt.MAX_THREADS), path
             if p.opts[0] == "--max-tokens":
                 assert p.min == 1, path
+    for path, command_ in COMMANDS:  # capped the same way wherever it is taken (one option factory)
+        for p in command_.params:
+            if p.opts[0] == "--threads":
+                assert (p.min, p.max) == (1, opt.MAX_THREADS), path
+            if p.opts[0] == "--max-tokens":
+                assert p.min == 1, path
     plan = dict(COMMANDS)[("plan",)]
     assert [p.opts for p in plan.params if p.name == "draft_len"] == [["--num-draft", "-k"]]
     assert [p.default for p in plan.params if p.name == "draft_len"] == [opt.DEFAULT_NUM_DRAFT]
@@ -136,11 +142,7 @@ def test_line_progress_prints_periodically_and_at_the_end():
     assert lines[-1].startswith("calibrating: 10/10 (100%), done")
 
 
-def test_long_steps_print_progress_lines_off_a_terminal(tiny_dirs, tmp_path):
-    from runtime.checkpoints import make_tiny
-
-    drafter = make_tiny(tmp_path / "d", "qwen3", seed=5, layers=3)
-    code, out, err = run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(drafter),
-                              "--out", str(tmp_path / "p.safetensors")])
+def test_long_steps_print_progress_lines_off_a_terminal(calibrated):
+    code, err = calibrated["code"], calibrated["err"]  # `specmoe calibrate`, run once for the session
     assert code == 0, err
     assert any(l.startswith("calibrating: ") and ", done," in l for l in err.splitlines()), err

@@ -24,6 +24,7 @@ from tests.conftest import greedy_ids
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "runtime" / "data" / "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog."
+pytestmark = pytest.mark.long  # process launches: the long tier (`pytest -m long`; CI runs it)
 
 
 def launch(n: int, args: list[str], timeout: float = 300, shell: str | None = None):

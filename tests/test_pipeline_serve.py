@@ -62,6 +62,7 @@ def launch(tmp_path_factory):
         log.close()
 
 
+@pytest.mark.long  # launches two rank processes behind a server
 def test_serve_through_two_ranks_equals_stock_and_stops_every_rank(launch):
     base, proc, pid, log_path = launch
     # 1. plain request: greedy text = stock mlx-lm in one process

@@ -16,7 +16,7 @@ from runtime.decode import OffloadConfig, OffloadedModel, Sampling, SpecConfig, 
 from runtime.decode import make_drafter
 from runtime.decode.pairing import build_predictor
 from runtime.decode.sampling import probabilities
-from tests.conftest import PROMPT
+from tests.conftest import PROMPT, long_tier
 from tests.goodness_of_fit import chi2_critical, chi2_stat, pooled_counts
 
 LOGITS = mx.array([3.0, 2.4, 2.0, 1.6, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
@@ -45,7 +45,9 @@ def _filters_after_temperature(temp, top_p=1.0, min_p=0.0, top_k=0) -> np.ndarra
     return np.array(probabilities(LOGITS / temp, 1.0, top_p, top_k, min_p), np.float64)
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+# By default top-k alone and all four filters at once; each filter alone with the temperature in the long tier.
+@pytest.mark.parametrize("setting", long_tier(SETTINGS, keep=[SETTINGS[2], SETTINGS[3]]),
+                         ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_probabilities_is_the_distribution_mlx_lm_samples(setting):
     counts = _mlx_lm_draws(**setting)
     p = np.array(Sampling(**setting).probabilities(LOGITS), np.float64)

@@ -16,7 +16,7 @@ from runtime.decode.sampling import accept_sampled, probabilities, sample
 from runtime.decode.speculative_run import run_speculative
 from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
 from runtime.checkpoints.tiny import make_tiny
-from tests.conftest import PROMPT, TINY, greedy_ids
+from tests.conftest import PROMPT, TINY, greedy_ids, long_tier
 from tests.goodness_of_fit import chi2_critical, chi2_stat, pit, pooled_counts, uniformity_chi2
 
 N = 20
@@ -38,7 +38,7 @@ def _min_budget(path) -> str:
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-@pytest.mark.parametrize("budget", ["50%", "min"])
+@pytest.mark.parametrize("budget", long_tier(["50%", "min"], keep={"min"}))  # the smallest cache misses the most
 def test_greedy_speculative_equals_plain_greedy(family, budget, tiny_dirs, dense_drafter):
     path = tiny_dirs[family]
     om = OffloadedModel.load(path, OffloadConfig(budget=_min_budget(path) if budget == "min" else budget))
@@ -181,6 +181,7 @@ def _sampled_positions(sampler=None, tokens_per_prompt: int = 100, K: int = 3) -
 
 
 @pytest.mark.slow
+@pytest.mark.long  # end to end through the decoder; the sampler's own check above runs by default
 def test_speculative_sampling_keeps_the_target_distribution_at_every_position():
     """Trained drafter, temperature 1: the tokens emitted at each position of a round (the
     bonus token included) are distributed as the target's p given everything before them.

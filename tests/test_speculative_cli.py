@@ -12,8 +12,8 @@ from tests.conftest import TINY, run_cli
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("cli_drafter") / "d", "qwen3", seed=5, layers=TINY["layers"])
+def drafter_dir(calibrated):
+    return calibrated["drafter"]  # the session's calibrated pair (tests/conftest.py)
 
 
 def _error_line(err: str) -> str:
@@ -52,7 +52,6 @@ def test_drafter_with_another_tokenizer(tiny_dirs, drafter_dir, tmp_path):
     (["--num-draft", "0"], "--num-draft 0"),
     (["--cutoff", "99"], "--cutoff 99 is beyond the model's 3 MoE layers"),
     (["--predictor", "psychic"], "--predictor 'psychic'"),
-    (["--forecast-k", "0"], "--forecast-k 0; expected 1..32"),
     (["--one-sync", "maybe"], "--one-sync 'maybe'; expected auto, on or off"),
 ])
 def test_bad_speculative_flags(tiny_dirs, drafter_dir, args, needle):
@@ -60,10 +59,9 @@ def test_bad_speculative_flags(tiny_dirs, drafter_dir, args, needle):
     assert code == 2 and needle in _error_line(err)
 
 
-def test_projection_for_another_model_is_refused(tiny_dirs, drafter_dir, tmp_path):
-    proj = tmp_path / "proj.safetensors"
-    code, _, err = run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(drafter_dir), "--out", str(proj)])
-    assert code == 0 and proj.exists(), err
+def test_projection_for_another_model_is_refused(tiny_dirs, drafter_dir, calibrated, tmp_path):
+    proj = calibrated["projection"]
+    assert calibrated["code"] == 0 and proj.exists(), calibrated["err"]
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "-n", "2", "--draft",
                             str(drafter_dir), "--projection", str(proj)])
     assert code == 0, err  # the right pair uses it
@@ -81,16 +79,17 @@ def test_width_mismatch_needs_a_projection(tiny_dirs, tmp_path):
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "--draft", str(narrow)])
     assert code == 2 and "specmoe calibrate" in _error_line(err)
     proj = tmp_path / "p.safetensors"
-    code, _, err = run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(narrow), "--out", str(proj)])
+    code, _, err = run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(narrow), "--out", str(proj),
+                            "--tokens", "1024"])
     assert code == 0, err
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "-n", "6", "--draft", str(narrow),
                             "--projection", str(proj)])
     assert code == 0, err
 
 
-def test_projection_for_other_weights_of_the_same_architecture_is_refused(tiny_dirs, drafter_dir, tmp_path):
-    proj = tmp_path / "proj.safetensors"
-    assert run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(drafter_dir), "--out", str(proj)])[0] == 0
+def test_projection_for_other_weights_of_the_same_architecture_is_refused(tiny_dirs, drafter_dir, calibrated, tmp_path):
+    proj = calibrated["projection"]
+    assert calibrated["code"] == 0, calibrated["err"]
     retrained = make_tiny(tmp_path / "retrained", "qwen3", seed=123, layers=TINY["layers"])  # same config, new weights
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "--draft", str(retrained),
                             "--projection", str(proj)])

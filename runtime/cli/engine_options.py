@@ -38,7 +38,9 @@ def io_mode_option():
 
 
 def threads_option():
-    return typer.Option(4, "--threads", min=1, max=64, help="Loader I/O threads.")  # as runtime.cli.options
+    from runtime.cli.options import threads_option as shared  # one factory: tune takes it too
+
+    return shared()
 
 
 def governor_option():
