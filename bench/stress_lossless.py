@@ -7,13 +7,14 @@ with seeded sampling, while governor shrinks and grows, prefetches (early, late,
 repairs and evictions follow. Every token is compared with stock mlx-lm on the resident model (plain decoding:
 the log-probabilities too, exactly); a speculative seeded run with the same decoder at 100% and no events.
 
-    python -m bench.stress_lossless --seed S --schedules N [--families a,b] [--tokens T]
-    python -m bench.stress_lossless --mutations [--max-schedules M]
+    python -m bench.stress_lossless --seed S --schedules N [--families a,b] [--tokens T] [--mutations]
 
---mutations plants one defect at a time (pytest's MonkeyPatch, undone after; no package code changes) and
-reports how many schedules, from --seed on, it took until one failed: a hold that holds nothing, a usable-range
-change that does not bump the table version (the cached ids-are-slots answer goes stale), a lookup whose absent
-flag is dropped (no repair), and a device-table entry one slot off. Prints a table and ends with one JSON line.
+Prints per family, budget and mode: schedules run, tokens compared, mismatched tokens and logits, runs that
+raised; then each failing schedule (replay it with --seed S --schedules 1). --mutations then plants one defect at
+a time (pytest's MonkeyPatch, undone after; no package code changes) and reports how many schedules, from --seed
+on, it took until one failed: a hold that holds nothing, a shrink that does not bump the table version (the cached
+ids-are-slots answer goes stale), a lookup whose absent flag is dropped (no repair), and a device-table entry one
+slot off. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -145,38 +146,41 @@ def main(argv=None) -> int:
     ap.add_argument("--schedules", type=int, default=50, help="schedules to run")
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families (default: all 9)")
     ap.add_argument("--tokens", type=int, default=12, help="tokens each schedule decodes")
-    ap.add_argument("--mutations", action="store_true", help="plant each defect and count schedules until caught")
+    ap.add_argument("--mutations", action="store_true",
+                    help="then plant each defect in turn and count the schedules, from --seed on, until one fails")
     ap.add_argument("--max-schedules", type=int, default=60, help="--mutations: give up on a defect after this many")
     args = ap.parse_args(argv)
     families = tuple(args.families.split(","))
     bad = [f for f in families if f not in FAMILIES]
-    if bad or args.schedules < 1 or args.tokens < 2:
-        print(f"error: --families {','.join(bad)} (expected some of {','.join(FAMILIES)}), --schedules >= 1, "
-              f"--tokens >= 2", file=sys.stderr)
+    problem = (f"--families {','.join(bad)}: expected some of {','.join(FAMILIES)}" if bad else
+               f"--schedules {args.schedules}: expected >= 1" if args.schedules < 1 else
+               f"--tokens {args.tokens}: expected >= 2" if args.tokens < 2 else
+               f"--max-schedules {args.max_schedules}: expected >= 1" if args.max_schedules < 1 else "")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {os.getloadavg()[0]:.2f}, seed {args.seed}, "
           f"budgets {','.join(BUDGETS)}, modes {','.join(MODES)}, sampling {','.join(SAMPLINGS)}")
     with tempfile.TemporaryDirectory() as tmp:
         refs = References(build_checkpoints(Path(tmp), families))
+        outs = run_many(refs, args.seed, args.schedules, families, args.tokens)
+        rows = summarize(outs)
+        print_table(rows)
+        for o in outs:
+            if o.failed:
+                print(f"FAILED {o.schedule.label()}: tokens {o.tokens} vs {o.expected} {o.error}")
+        result = {"schedules": len(outs), **rows[("all", "", "")],
+                  "failed_seeds": [o.schedule.seed for o in outs if o.failed]}
         if args.mutations:
-            result = {"mutations": {}}
-            print(f"{'mutation':<22} {'schedules to catch':>18}  first failing schedule")
+            result["mutations"] = {}
+            print(f"\n{'mutation':<22} {'schedules to catch':>18}  first failing schedule (from seed {args.seed})")
             for name, plant in MUTATIONS.items():
                 n, out = schedules_to_catch(refs, plant, args.seed, args.max_schedules, families, args.tokens)
                 what = (out.error or f"{out.mismatches} tokens, {out.logit_mismatches} logits differ") if out else ""
                 print(f"{name:<22} {n if n else f'> {args.max_schedules}':>18}  "
                       f"{out.schedule.label() + ': ' + what if out else ''}")
                 result["mutations"][name] = n
-        else:
-            outs = run_many(refs, args.seed, args.schedules, families, args.tokens)
-            rows = summarize(outs)
-            print_table(rows)
-            for o in outs:
-                if o.failed:
-                    print(f"FAILED {o.schedule.label()}: tokens {o.tokens} vs {o.expected} {o.error}")
-            result = {"schedules": len(outs), **rows[("all", "", "")],
-                      "failed_seeds": [o.schedule.seed for o in outs if o.failed]}
     result.update(seed=args.seed, families=list(families), seconds=round(time.perf_counter() - t0, 1),
                   load_average=round(os.getloadavg()[0], 2))
     print(json.dumps(result))

@@ -16,7 +16,7 @@ from runtime.checkpoints.tiny import FAMILIES, make_tiny
 from tests.bench_scripts import load_bench_script
 from tests.conftest import TINY
 
-N_SCHEDULES = 40
+N_SCHEDULES = 32
 
 harness = load_bench_script("stress_schedules")
 
