@@ -3,8 +3,9 @@
 Lossless, defined as mlx-lm defines batching: the tokens equal those of mlx-lm's BatchGenerator on the
 resident model given the same prompts and the same schedule of inserts, removals and steps. Checked for
 every family of the tiny fixtures at budgets 100%, 50% and 25%, with sequences of different prompt and
-output lengths that join between steps and one that is removed (a cancelled request) mid-stream. A
-planted wrong slot (every sequence of a batched call given the first sequence's slots) is caught. The
+output lengths that join between steps and one that is removed (a cancelled request) mid-stream; also
+when the cache shrinks to its minimum mid-batch (memory pressure: the union then exceeds a layer's slots
+and runs expert-major). A planted wrong slot (every sequence of a batched call given the first sequence's slots) is caught. The
 counters are checked against a case whose answer is known: identical prompts route identically, so a
 step's union is one sequence's experts.
 """
@@ -28,9 +29,10 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Experts", "Experts liv
 MAX_TOKENS = [10, 6, 12, 8, 9]
 
 
-def run_schedule(gen, insert, remove, prompts: list[list[int]]) -> dict[int, list[int]]:
+def run_schedule(gen, insert, remove, prompts: list[list[int]], before_step=None) -> dict[int, list[int]]:
     """Two sequences start, two join after 2 steps, one joins after 4, the third is removed after 5; then to
-    the end. Returns {prompt index: tokens} (the removed one: what it had)."""
+    the end; before_step(step) is called before each step. Returns {prompt index: tokens} (the removed one: what
+    it had)."""
     uid_of = {}
     out: dict[int, list[int]] = {}
     plan = {0: [0, 1], 2: [2, 3], 4: [4]}
@@ -40,6 +42,8 @@ def run_schedule(gen, insert, remove, prompts: list[list[int]]) -> dict[int, lis
             for i, uid in zip(plan[step], insert([prompts[i] for i in plan[step]], [MAX_TOKENS[i] for i in plan[step]])):
                 uid_of[uid] = i
                 out[i] = []
+        if before_step is not None:
+            before_step(step)
         if step == 5:
             remove([next(u for u, i in uid_of.items() if i == 2)])
         responses = gen()
@@ -58,9 +62,9 @@ def stock_tokens(model, prompts) -> dict[int, list[int]]:
         gen.close()
 
 
-def paged_tokens(om, prompts) -> dict[int, list[int]]:
+def paged_tokens(om, prompts, before_step=None) -> dict[int, list[int]]:
     with BatchDecoder(om) as dec:
-        return run_schedule(dec.next, dec.insert, dec.remove, prompts)
+        return run_schedule(dec.next, dec.insert, dec.remove, prompts, before_step)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,24 @@ def test_a_wrong_slot_for_the_other_sequences_is_caught(tiny_dirs, stock_runs, m
         got = paged_tokens(om, prompts)
         assert batched_calls  # the mutation was on the path the batch takes
         assert got != expected
+    finally:
+        om.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_cache_shrinking_mid_batch_keeps_the_tokens(family, tiny_dirs, stock_runs):
+    """Memory pressure: the governor's request for the minimum slots (top-k per layer) lands after step 3, while
+    four sequences decode; their union no longer fits a layer's slots and runs expert-major. Same tokens."""
+    prompts, expected = stock_runs[family]
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="50%"))
+    try:
+        def squeeze(step):
+            if step == 3:
+                om.cache.request_usable_slots(om.top_k)
+
+        assert paged_tokens(om, prompts, squeeze) == expected
+        assert all(om.cache.usable_slots(l) == om.top_k for l in om.moe_layers)
+        assert om.cache.resize_stats.n_shrinks > 0
     finally:
         om.close()
 
