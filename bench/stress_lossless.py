@@ -169,7 +169,8 @@ def main(argv=None) -> int:
         print_table(rows)
         for o in outs:
             if o.failed:
-                print(f"FAILED {o.schedule.label()}: tokens {o.tokens} vs {o.expected} {o.error}")
+                print(f"FAILED {o.schedule.label()}: tokens {o.tokens} vs {o.expected}, "
+                      f"{o.logit_mismatches} logits differ {o.error}")
         result = {"schedules": len(outs), **rows[("all", "", "")],
                   "failed_seeds": [o.schedule.seed for o in outs if o.failed]}
         if args.mutations:
