@@ -4,8 +4,11 @@ Owns: request validation (`validation`), who may call (`security`: Host, Origin,
 bounds of a request (`limits`: body size and time, queue, run time), uvicorn's protocol with a
 header deadline (`protocol`), the one-at-a-time generation queue (`queue`), stop strings
 (`stops`), OpenAI response objects and SSE framing (`sse`), the Starlette routes (`app`), the
-engine adapter shared with `specmoe chat` (`backend`), a chat conversation (`chat_session`) and
-server start-up (`server`).
+engine adapter shared with `specmoe chat` (`backend`), a chat conversation (`chat_session`),
+server start-up (`server`); for agents, the Anthropic Messages API (`anthropic_shapes` requests,
+`anthropic_reply` messages and events, `anthropic_routes`), tool fields (`tool_fields`), and a
+reply split into thinking, text and tool calls with mlx-lm's parsers (`reply_split`, shaped for
+OpenAI by `openai_reply`).
 
 Invariants kept at this boundary: HTTP is parsed by Starlette/uvicorn, never by hand; client
 errors are 4xx JSON naming the problem and the server keeps serving; the model is used by one

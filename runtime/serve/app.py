@@ -5,6 +5,10 @@
     GET  /v1/models             the one model this server serves
     GET  /health                {"status": "ok", "queue": {...}}: requests run one at a time
     GET  /v1/specmoe/stats      hit rate, host syncs, bytes read, acceptance, memory
+    POST /v1/messages, /v1/messages/count_tokens   the Anthropic Messages API (runtime.serve.anthropic_routes)
+
+Chat replies carry the model's thinking as `reasoning`/`reasoning_content` and its tool calls as
+`tool_calls` (runtime.serve.openai_reply), split off with mlx-lm's markers and tool parsers.
 
 Every request first passes runtime.serve.security.Guard (Host, Origin, API key); a completion's
 body is read under runtime.serve.limits (size cap, deadline), then parsed, validated and tokenized
@@ -36,7 +40,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from runtime.serve.anthropic_routes import anthropic_routes
 from runtime.serve.limits import RequestLimits, read_body
+from runtime.serve.openai_reply import ChatReply
 from runtime.serve.queue import GenerationQueue, Job, QueueFull
 from runtime.serve.security import AccessPolicy, Guard
 from runtime.serve.sse import SSE_DONE, ResponseFormat, sse, usage
@@ -69,10 +75,14 @@ class ServerState:
                            "(GET /v1/models)", status=404, param="model", code="model_not_found")
 
 
-    def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[int]]:
-        """Parse, check and tokenize one body (runs on a worker thread); max_tokens clamped to the context."""
-        req = parse_completion(parse_json(raw), kind, self.defaults, self.vocab_size)
-        self.check_model(req.model)
+    def prepare(self, raw: bytes, kind: str, parse=None) -> tuple[CompletionRequest, list[int]]:
+        """Parse, check and tokenize one body (runs on a worker thread); max_tokens clamped to the context.
+        `parse(body)` (model checked) replaces the OpenAI parsing: the Anthropic routes pass theirs."""
+        if parse is not None:
+            req = parse(parse_json(raw))
+        else:
+            req = parse_completion(parse_json(raw), kind, self.defaults, self.vocab_size)
+            self.check_model(req.model)
         param = "messages" if kind == "chat" else "prompt"
         try:
             ids = self.backend.encode(req)
@@ -91,10 +101,10 @@ class ServerState:
         req.max_tokens = min(req.max_tokens, left)
         return req, ids
 
-    async def prepare_off_loop(self, raw: bytes, kind: str) -> tuple[CompletionRequest, list[int]]:
+    async def prepare_off_loop(self, raw: bytes, kind: str, parse=None) -> tuple[CompletionRequest, list[int]]:
         if self._tokenizing is None:
             self._tokenizing = anyio.CapacityLimiter(1)
-        return await anyio.to_thread.run_sync(self.prepare, raw, kind, limiter=self._tokenizing)
+        return await anyio.to_thread.run_sync(self.prepare, raw, kind, parse, limiter=self._tokenizing)
 
 
 def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:
@@ -141,8 +151,9 @@ def build_app(state: ServerState) -> Starlette:
         except ClientDisconnect:
             return Response(status_code=499)
         fmt = ResponseFormat(kind, model=req.model or state.model_id)
+        reply = ChatReply.for_request(fmt, state.backend.tokenizer, req, ids)  # reasoning and tool calls split off
         if req.stream:
-            return StreamingResponse(_stream(job, fmt, req.include_usage), media_type="text/event-stream",
+            return StreamingResponse(_stream(job, reply, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text = []
         try:
@@ -157,22 +168,25 @@ def build_app(state: ServerState) -> Starlette:
                                                    "code": None}}, status_code=500)
                 else:
                     u = usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                    return JSONResponse(fmt.complete("".join(text), event.finish_reason, u))
+                    return JSONResponse(reply.complete("".join(text), event.finish_reason, u))
         finally:
             job.cancel.set()  # no-op once done; stops the job if this handler was cancelled
 
-    async def _stream(job: Job, fmt: ResponseFormat, include_usage: bool):
+    async def _stream(job: Job, reply: ChatReply, include_usage: bool):
+        fmt = reply.fmt
         try:
             yield sse(fmt.chunk(None, first=True))
             while True:
                 event = await _next_event(job, None)  # disconnects arrive as cancellation here
                 if event.kind == "text":
-                    yield sse(fmt.chunk(event.text))
+                    for chunk in reply.chunks(event.text):
+                        yield sse(chunk)
                 elif event.kind == "error":
                     yield sse({"error": {"message": event.error, "type": "server_error", "param": None, "code": None}})
                     break
                 else:
-                    yield sse(fmt.chunk(None, event.finish_reason))
+                    for chunk in reply.final_chunks(event.finish_reason):
+                        yield sse(chunk)
                     if include_usage:
                         yield sse(fmt.usage_chunk(usage(event.prompt_tokens, event.completion_tokens,
                                                         event.cached_tokens)))
@@ -210,6 +224,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/specmoe/stats", stats, methods=["GET"]),
+        *anthropic_routes(state, _next_event),  # POST /v1/messages, /v1/messages/count_tokens
     ]
     middleware = [Middleware(Guard, policy=state.policy)]  # outermost: Host, Origin and key before anything else
     if state.policy.cors_origins:  # only origins named with --cors-origin get CORS headers (preflights included)

@@ -62,10 +62,15 @@ class Backend:
         self.pool = _prompt_pool(engine, prompt_cache_size)  # None: speculative (no prompt cache yet)
 
     # -- prompts -----------------------------------------------------------------------------
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
+        """`tools` and `template_kwargs` (e.g. enable_thinking) go to the chat template, as mlx_lm.server passes them."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
-            return list(tok.apply_chat_template(messages, add_generation_prompt=True, **self.chat_template_args))
+            kwargs = {**self.chat_template_args, **(template_kwargs or {})}
+            if tools:
+                kwargs["tools"] = tools
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
         from mlx_lm.server import convert_chat
 
         return list(tok.encode(convert_chat(messages)))
@@ -76,7 +81,10 @@ class Backend:
         return list(tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
 
     def encode(self, request) -> list[int]:
-        return self.encode_messages(request.messages) if request.kind == "chat" else self.encode_text(request.prompt)
+        if request.kind != "chat":
+            return self.encode_text(request.prompt)
+        return self.encode_messages(request.messages, getattr(request, "tools", None),
+                                    getattr(request, "template_kwargs", None))
 
     # -- generation --------------------------------------------------------------------------
     def reset_prompt_cache(self) -> None:

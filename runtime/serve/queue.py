@@ -51,6 +51,7 @@ class JobEvent:
     completion_tokens: int = 0
     cached_tokens: int | None = None  # done: prompt tokens reused from the prompt cache
     error: str = ""
+    stop_sequence: str | None = None  # done: the request's stop string that ended it (None: EOS or length)
 
 
 @dataclass
@@ -176,4 +177,5 @@ class GenerationQueue:
                 self.counts["timed_out"] += 1
         self._count("completed", started)
         job.put(JobEvent("done", finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n,
+                         stop_sequence=stops.matched,
                          cached_tokens=cached))

@@ -11,7 +11,8 @@ A pure ASGI middleware (`Guard`) checks every HTTP request before a route or a b
 3. API key: with a key set, every route except `GET /health` and CORS preflights needs
    `Authorization: Bearer KEY` or `x-api-key: KEY` (the header the Anthropic SDK sends), else 401.
 
-Invariants: refusals are JSON in the OpenAI error shape (runtime.serve.validation.RequestError);
+Invariants: refusals are JSON in the OpenAI error shape (runtime.serve.validation.RequestError), on
+the Anthropic routes (/v1/messages...) in that API's shape;
 the key is compared in constant time; nothing here reads the request body; `/health` never needs
 the key, so a supervisor can probe the server, and it says nothing that needs one.
 """
@@ -23,6 +24,7 @@ import ipaddress
 import json
 from dataclasses import dataclass
 
+from runtime.serve.anthropic_shapes import error_body
 from runtime.serve.validation import RequestError
 
 __all__ = ["AccessPolicy", "Guard", "is_loopback", "PUBLIC_PATHS"]
@@ -107,7 +109,8 @@ class Guard:
         error = self.check(scope)
         if error is None:
             return await self.app(scope, receive, send)
-        body = json.dumps(error.body()).encode()
+        anthropic = scope["path"].startswith("/v1/messages")  # that API's own shape: {"type": "error", "error": ...}
+        body = json.dumps(error_body(error) if anthropic else error.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if error.status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="specmoe"'))

@@ -15,6 +15,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it
 
     def feed(self, text: str) -> str:
         """Add generated text; return the part that is safe to send. Sets `stopped` on a match."""
@@ -24,7 +25,8 @@ class StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut, self.matched = min(((i, s) for s, i in ((s, self.pending.find(s)) for s in self.stops) if i >= 0),
+                                default=(-1, None))
         if cut >= 0:
             out, self.pending, self.stopped = self.pending[:cut], "", True
             return out

@@ -3,7 +3,8 @@
 Fields (as mlx_lm.server accepts them): `model`, `messages` (chat) or `prompt` (completions),
 `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `top_k`, `min_p`, `stop`,
 `seed`, `stream`, `stream_options.include_usage`. Missing fields take the server's defaults
-(`specmoe serve --max-tokens/--temp/--top-p/--top-k/--min-p`).
+(`specmoe serve --max-tokens/--temp/--top-p/--top-k/--min-p`). A chat's `tools`, `tool_choice`,
+`chat_template_kwargs` and the tool turns of its `messages` are checked by runtime.serve.tool_fields.
 
 Every number is bounded: `max_tokens` >= 1 (clamped later to the context left after the prompt),
 `temperature` in [0, 100], `top_p`/`min_p` in [0, 1], `top_k` in [0, vocabulary size - 1], `seed` in
@@ -68,6 +69,9 @@ class CompletionRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    tools: list[dict] | None = None  # chat: the tools the chat template shows (runtime.serve.tool_fields)
+    tool_choice: str = "auto"  # chat: "auto", "none", "required" or a function name
+    template_kwargs: dict = field(default_factory=dict)  # chat: chat_template_kwargs, e.g. enable_thinking
 
 
 def parse_json(raw: bytes) -> dict:
@@ -198,6 +202,9 @@ def parse_completion(body: dict, kind: str, defaults: SamplingDefaults = Samplin
     )
     if kind == "chat":
         request.messages = _messages(body)
+        from runtime.serve.tool_fields import apply_tool_fields  # it imports RequestError from here
+
+        apply_tool_fields(request, body)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
