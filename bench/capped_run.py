@@ -62,15 +62,16 @@ class Row:
 
 
 def parse_gb(text: str) -> int:
-    from runtime.cache.budget import parse_budget
+    """Bytes of one --caps entry (a size, as --memory-limit takes it)."""
+    from runtime.cache.memory_limit import parse_memory_limit
 
     try:
-        spec = parse_budget(text)
+        value = parse_memory_limit(text)
     except ValueError:
-        spec = None
-    if spec is None or spec.kind != "bytes":
+        value = None
+    if value is None:
         raise ValueError(f"--caps {text!r}: expected sizes like 10.7GB,8GB")
-    return int(spec.value)
+    return value
 
 
 def decode_limit_s(compute_s: float, mb_per_token: float, bandwidth_bps: float) -> float:
@@ -141,7 +142,7 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
     entries, results, notes = [], {}, [f"bandwidth: {bw_line}"]  # entries: (row, its JSON result)
 
     def fits() -> bool:
-        return psutil.virtual_memory().available > size + (2 << 30)
+        return psutil.virtual_memory().available > size + (1 << 30)  # the model resident, 1 GB to spare
 
     def go(name, cmd, json_path, cap):
         res = _run(cmd, cap, model, log)
