@@ -138,3 +138,26 @@ def test_doctor_names_the_disk_not_a_model():
 
 def test_the_command_tree_is_built_once():
     assert command() is command()
+
+
+def test_demo_tables_fit_80_columns():
+    import io
+
+    from rich.console import Console
+
+    from runtime.cli.demo import demo_tables
+
+    row = {"tokens_per_s": 119.3, "tokens_per_s_min": 117.8, "tokens_per_s_max": 1120.8, "vs_plain": 12.09,
+           "vs_plain_min": 1.7, "vs_plain_max": 12.69, "verdict": "within noise", "hit_rate": 0.854,
+           "misses_per_token": 12.88, "mb_read_per_token": 10.115, "prefetch_mb_per_token": 10.077,
+           "unique_per_layer_per_verify": 10.88, "pairs_per_layer_per_verify": 16.0, "acceptance": 0.56,
+           "tokens_per_verify": 2.67}
+    rows = [dict(row, variant=name) for name in ("plain", "spec, no prefetch", "spec + spmoe prefetch")]
+    result = {"rows": rows, "repeats": 3, "identical_outputs": True, "cache_fraction": 0.39}
+    buf = io.StringIO()
+    console = Console(file=buf, width=80, force_terminal=False)
+    for part in demo_tables(result):
+        console.print(part)
+    out = buf.getvalue()
+    assert _width(out) <= 80 and "…" not in out, out
+    assert "within noise" in out and "spec+pf" in out and "10.9/16" in out

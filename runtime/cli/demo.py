@@ -17,6 +17,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from runtime.cli import options as opt
 from runtime.observe import console, err_console, write_json
@@ -113,6 +114,35 @@ def run_variants(target: Path, draft: Path, prompt: str, max_tokens: int, budget
     return {"rows": rows, "texts": texts, "tokens": tokens_by, "cache_fraction": plan.fraction}
 
 
+SHORT = {"plain": "plain", "spec, no prefetch": "spec", "spec + spmoe prefetch": "spec+pf"}
+LEGEND = ("spec = speculative decoding, no prefetch; spec+pf = with spmoe expert prefetch. MB/tok: demand + prefetch "
+          "reads (pf: prefetch alone). unique /pairs: experts per layer per verify window (K+1 tokens; 1 for plain), "
+          "unique vs routed pairs.")
+
+
+def demo_tables(result: dict) -> list:
+    """The result as two tables that fit 80 columns (speed, then reads and windows) and a legend line."""
+    speed = Table(title=f"tok/s over {result['repeats']} interleaved passes; outputs identical: "
+                        f"{'yes' if result['identical_outputs'] else 'NO'}")
+    for col in ("variant", "tok/s", "min-max", "vs plain [min-max]", "verdict"):
+        speed.add_column(col, justify="left" if col == "variant" else "right", no_wrap=True)
+    reads = Table(title=f"cache holds {result['cache_fraction']:.0%} of the experts; after the prompt")
+    for col in ("variant", "hit", "miss /tok", "MB/tok", "pf MB/tok", "unique /pairs", "accept", "tok /verify"):
+        reads.add_column(col, justify="left" if col == "variant" else "right")
+    for r in result["rows"]:
+        name = SHORT.get(r["variant"], r["variant"])
+        versus = ("1.00" if r["variant"] == "plain"
+                  else f"{r['vs_plain']:.2f} [{r['vs_plain_min']:.2f}-{r['vs_plain_max']:.2f}]")
+        speed.add_row(name, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}",
+                      versus, r["verdict"])
+        reads.add_row(name, f"{r['hit_rate']:.0%}", f"{r['misses_per_token']:.2f}", f"{r['mb_read_per_token']:.3f}",
+                      f"{r['prefetch_mb_per_token']:.3f}",
+                      f"{r['unique_per_layer_per_verify']:.1f}/{r['pairs_per_layer_per_verify']:.0f}",
+                      "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
+                      "-" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}")
+    return [speed, reads, Text(LEGEND, style="dim")]
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def demo(
@@ -141,20 +171,8 @@ def register(app: typer.Typer) -> None:
         err_console.print(f"target {model}\ndrafter {draft}\nbudget {budget}; greedy, {max_tokens} tokens", highlight=False)
         result = run_demo(model, draft, prompt, max_tokens, budget, num_draft, io_mode, repeats)
         console.print(f"[bold]{prompt}[/bold]{result['text']}", highlight=False)
-        t = Table(title=f"cache holds {result['cache_fraction']:.0%} of the experts; after the prompt; outputs identical: "
-                        f"{'yes' if result['identical_outputs'] else 'NO'}")
-        for col in ["variant", "tok/s", f"min-max ({result['repeats']})", "vs plain [min-max]", "verdict", "hit rate", "misses/tok", "MB read/tok (prefetched)", "unique experts/layer/window",
-                    "pairs/layer/window", "accept", "tok/verify"]:
-            t.add_column(col, justify="right")
-        for r in result["rows"]:
-            t.add_row(r["variant"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}",
-                      f"{r['vs_plain']:.2f} [{r['vs_plain_min']:.2f}-{r['vs_plain_max']:.2f}]", r["verdict"],
-                      f"{r['hit_rate']:.1%}", f"{r['misses_per_token']:.2f}",
-                      f"{r['mb_read_per_token']:.3f} ({r['prefetch_mb_per_token']:.3f})", f"{r['unique_per_layer_per_verify']:.2f}",
-                      f"{r['pairs_per_layer_per_verify']:.1f}",
-                      "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
-                      "-" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}")
-        console.print(t)
+        for table in demo_tables(result):
+            console.print(table)
         if json_path:
             write_json(json_path, result)
         if not result["identical_outputs"]:
