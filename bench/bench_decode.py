@@ -2,18 +2,15 @@
 
 Physics: a decode step reads every resident weight once plus top_k experts per MoE
 layer. Fully resident (stock) pays no I/O; at a budget below 100% a step pays for
-its misses (bytes from the page cache or SSD). Each step is a device pass
-(runtime/decode/device_pass.py): expert lookups on the device, one host sync per token
-like stock, plus one per repair when an expert was absent. With files hot, a miss costs a
-memory copy. Targets (issue 14): >= 0.97x at 100%, 0.92x at 50%, 0.8x at 25%.
+its misses (bytes from the page cache or SSD). "auto" runs what `specmoe generate` runs
+(runtime/decode/plain.py): at a budget that holds every expert, device passes (expert lookups on
+the device, one host sync per token like stock, one more per repair); below it, mlx-lm's
+generate_step on the per-layer synced path. "on": device passes at any budget. With files hot, a
+miss costs a memory copy. Targets (issue 14): >= 0.97x at 100%, 0.92x at 50%, 0.8x at 25%.
 
 Variants, all greedy on the same prompts, files hot (one warmup run first):
 stock mlx-lm fully resident, and specmoe at 100%, 50% and 25% budgets ("next off": the same
-without building forward n+1 before forward n's sync, runtime/decode/next_forward.py; "route off": auto
-with segment repairs only, no routed forwards, runtime/decode/route_sync.py; "all layers": auto whose forwards
-route every layer when they route any, instead of only the layers that miss often enough; "staged off": auto whose
-routed forwards sync as they are built, with no next forward built between their route syncs,
-runtime/decode/paced_build.py). Ratios are paired:
+without building forward n+1 before forward n's sync, runtime/decode/next_forward.py). Ratios are paired:
 in each trial every variant runs once, in a fresh order, and each of its prompts runs back to back with the
 same prompt on stock (which first, at random), so drift on this shared machine hits both alike; a trial's
 ratio is the variant's tok/s over its stock partner's, reported as median and min-max. "stock (A/A
@@ -39,7 +36,7 @@ from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from runtime.decode import OffloadConfig, OffloadedModel  # noqa: E402
-from runtime.decode import offloaded_generate_step  # noqa: E402
+from runtime.decode import holds_every_expert, offloaded_generate_step  # noqa: E402
 from runtime.decode.warm import warm_start  # noqa: E402
 from runtime.checkpoints import make_tiny  # noqa: E402
 
@@ -56,14 +53,6 @@ PROMPTS = [
 ABLATIONS = [
     ("next off", "--next-off", "100%", ("auto", "on"), dict(build_next=False),
      "without building the next forward before the previous one's sync (runtime/decode/next_forward.py)"),
-    ("route off", "--route-off", "50%,25%", ("auto",), dict(route=False),
-     "\"auto\" without routed layers (segment repairs only; runtime/decode/route_sync.py)"),
-    ("all layers", "--route-all", "50%,25%", ("auto",), dict(route="all"),
-     "\"auto\" routing every layer of a forward that routes any, instead of only the layers whose misses make a "
-     "sync pay (runtime/decode/route_sync.py)"),
-    ("staged off", "--staged-off", "50%,25%", ("auto",), dict(staged=False),
-     "\"auto\" with routed forwards that sync as they are built, no next forward built between their route syncs "
-     "(runtime/decode/paced_build.py)"),
 ]
 
 
@@ -72,18 +61,18 @@ def _counters(om) -> dict:
 
 
 def decode_prompt(model, tokenizer, prompt: str, n_tokens: int, om=None, one_sync: str = "auto",
-                  build_next: bool = True, route: bool | str = True, staged: bool = True) -> dict:
+                  build_next: bool = True) -> dict:
     """One prompt's decode: tokens decoded after the first, wall and CPU seconds, and the offloaded model's
     misses, bytes read, host syncs and repairs over them."""
     sampler = lambda x: mx.argmax(x, axis=-1)  # noqa: E731  (generate_step's default)
     ids = mx.array(tokenizer.encode(prompt))
     dp = None
-    if om is not None and one_sync != "off":
+    if om is not None:
+        warm_start(om)
+    if om is not None and (one_sync == "on" or one_sync == "auto" and holds_every_expert(om)):
         from runtime.decode import DevicePass
 
-        warm_start(om)
-        dp = DevicePass(om, segment="auto" if one_sync == "auto" else None, build_next=build_next,
-                        route=bool(route), route_all=route == "all", staged=staged)
+        dp = DevicePass(om, build_next=build_next)
         gen = offloaded_generate_step(om, ids, max_tokens=n_tokens, sampler=sampler, device_pass=dp,
                                       after_prefill=om.cache.settle_inflight)
     else:
@@ -118,11 +107,10 @@ def summarize(runs: list[dict]) -> tuple[float, dict]:
 
 
 def decode_tps(model, tokenizer, n_tokens: int, om=None, one_sync: str = "auto",
-               build_next: bool = True, route: bool | str = True, staged: bool = True) -> tuple[float, dict]:
+               build_next: bool = True) -> tuple[float, dict]:
     """Decode tok/s over PROMPTS (all decoded tokens / all decode time); per decoded token: misses,
     MB read, host syncs, repairs, CPU ms."""
-    return summarize([decode_prompt(model, tokenizer, p, n_tokens, om, one_sync, build_next, route, staged)
-                      for p in PROMPTS])
+    return summarize([decode_prompt(model, tokenizer, p, n_tokens, om, one_sync, build_next) for p in PROMPTS])
 
 
 def main() -> None:
@@ -132,9 +120,9 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--budgets", default="100%,50%,25%")
     ap.add_argument("--one-sync", default="auto,on",
-                    help="comma list of: auto (device passes that sync before the layers whose misses make it pay, "
-                         "as `specmoe generate` runs them), on (device passes, one sync + one per repair), off (one host "
-                         "sync per MoE layer); each is a variant per budget below 100%%")
+                    help="comma list of: auto (as `specmoe generate` runs: device passes at a budget holding every "
+                         "expert, else one sync per MoE layer), on (device passes, one sync + one per repair), off (one "
+                         "host sync per MoE layer); each is a variant per budget below 100%%")
     for _, flag, default, _, _, what in ABLATIONS:
         ap.add_argument(flag, default=default,
                         help=f"comma list of budgets that also run a variant {what}; empty: none (default %(default)s)")
@@ -150,28 +138,26 @@ def main() -> None:
                                        hidden=256, expert_hidden=256)
         ablations = [(suffix, [b for b in getattr(args, flag[2:].replace("-", "_")).split(",") if b], applies, options)
                      for suffix, flag, _, applies, options, _ in ABLATIONS]
-        base = dict(build_next=True, route=True, staged=True)
         # The A/A control: a second stock model, measured against stock like every variant. Its spread is the
         # noise of this run's pairing: a variant within it is not slower or faster than stock.
-        variants = [("stock", None, None, True, True, True), (CONTROL, None, None, True, True, True)]
+        variants = [("stock", None, None, True), (CONTROL, None, None, True)]
         for b in args.budgets.split(","):  # at 100% there is no repair: the modes but "off" run alike
             for m in (modes[:1] if b == "100%" and "off" not in modes else modes):
                 name = f"specmoe {b}" + (f" {m}" if len(modes) > 1 and b != "100%" else "")
-                variants.append((name, b, m, True, True, True))
+                variants.append((name, b, m, True))
                 for suffix, budgets, applies, options in ablations:
                     if b in budgets and m in applies:
-                        o = {**base, **options}
-                        variants.append((f"{name} {suffix}", b, m, o["build_next"], o["route"], o["staged"]))
+                        variants.append((f"{name} {suffix}", b, m, options["build_next"]))
         loaded = {}
-        for name, budget, mode, build_next, route, staged in variants:
+        for name, budget, mode, build_next in variants:
             if budget is None:
                 model, tok = load(str(path))
-                loaded[name] = (model, tok, None, None, True, True, True)
+                loaded[name] = (model, tok, None, None, True)
             else:
                 om = OffloadedModel.load(path, OffloadConfig(budget=budget))
-                loaded[name] = (om.model, om.tokenizer, om, mode, build_next, route, staged)
-        for model, tok, om, mode, build_next, route, staged in loaded.values():  # warmup: files hot, kernels built
-            decode_tps(model, tok, 8, om, mode, build_next, route, staged)
+                loaded[name] = (om.model, om.tokenizer, om, mode, build_next)
+        for model, tok, om, mode, build_next in loaded.values():  # warmup: files hot, kernels built
+            decode_tps(model, tok, 8, om, mode, build_next)
         samples = {name: [] for name, *_ in variants}  # per trial: (variant's tok/s, its stock partner's)
         io = {name: [] for name, *_ in variants}  # per trial: (variant's per-token counts, its stock partner's)
         rng = random.Random(0)
@@ -186,9 +172,8 @@ def main() -> None:
                     pair = [name, "stock"]
                     rng.shuffle(pair)
                     for who in pair:
-                        model, tok, om, mode, build_next, route, staged = loaded[who]
-                        runs[who].append(decode_prompt(model, tok, prompt, args.tokens, om, mode, build_next,
-                                                       route, staged))
+                        model, tok, om, mode, build_next = loaded[who]
+                        runs[who].append(decode_prompt(model, tok, prompt, args.tokens, om, mode, build_next))
                 (tps, per), (stock_tps, stock_per) = summarize(runs[name]), summarize(runs["stock"])
                 samples[name].append((tps, stock_tps))
                 io[name].append((per, stock_per))
@@ -204,7 +189,7 @@ def main() -> None:
              f"greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, {args.trials} trials (variants in a fresh order each; "
              f"each prompt run on the variant and on stock back to back, in a random order: a ratio is that pair's), "
              f"files hot, {CONTROL!r} is a second stock model (the pairing's noise), "
-             f"one-sync modes: {args.one_sync} (auto: a sync before the experts of each layer whose misses make it pay, repairs for the rest; on: one sync + one per "
+             f"one-sync modes: {args.one_sync} (auto: device passes while the budget holds every expert, else one sync per MoE layer; on: one sync + one per "
              f"repair; off: one sync per MoE layer); load average {load0:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end",
              f"{'variant':<26}{'tok/s':>9}{'vs stock (min-max)':>24}{'CPU ms/tok':>11}{'CPU vs stock (min-max)':>26}"

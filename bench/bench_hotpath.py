@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from runtime.checkpoints import embedded_pair, make_tiny  # noqa: E402
 from runtime.decode import DevicePass, OffloadConfig, OffloadedModel, generate_tokens  # noqa: E402
-from runtime.decode.device_pass import DEFER_FORWARDS  # noqa: E402
+from runtime.decode.bookkeeping import DEFER_FORWARDS  # noqa: E402
 from runtime.decode.warm import warm_start  # noqa: E402
 
 PROMPTS = [

@@ -49,9 +49,8 @@ VARIANTS = ["no-spec", "none", "previous", "spmoe", "oracle"]
 def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, args) -> dict:
     """One prompt, one variant, from an empty cache: raw counts of the run."""
     inject = f"slow:ms={args.emulate_read_ms}" if args.emulate_read_ms else ""
-    ahead, variant = "+ahead" in variant, variant.replace("+ahead", "")  # +ahead: routed layers prefetch ahead
     om = OffloadedModel.load(target, OffloadConfig(budget=budget, io_mode=args.io_mode, threads=args.threads,
-                                                   inject=inject, route_ahead="on" if ahead else "off"))
+                                                   inject=inject))
     try:
         ids = list(om.tokenizer.encode(prompt))
         cpu0 = time.process_time()  # this process's CPU time, loader threads included; less moved by other tenants than wall time
@@ -63,17 +62,13 @@ def run_once(target: Path, draft: Path, variant: str, budget: str, prompt: str, 
                     "mb": stats.mb_read_per_token * n, "syncs_per_token": stats.host_syncs_per_token,
                     "repairs_per_token": stats.repairs_per_token}
         dmodel, dconfig = load_drafter(draft, om)
-        name, _, route = variant.partition("/")  # spmoe/off: verify windows never routed
-        last, name = "+last" in name, name.replace("+last", "")  # spmoe+last: the drafter also feeds d_K for its taps
-        predictor, _, k = name.partition("@")  # spmoe@6: spmoe taking 6 experts per window token
+        predictor, _, route = variant.partition("/")  # spmoe/off: verify windows never routed
         cpu0 = time.process_time()  # loading the drafter is not decoding
         _, stats, layers = run_speculative(om, draft, ids, max_tokens=args.tokens, num_draft=args.num_draft,
                                            predictor=predictor, cutoff=args.cutoff, draft_model=dmodel,
                                            draft_config=dconfig, one_sync=args.one_sync,
-                                           forecast_k=int(k) if k else args.forecast_k,
                                            forecast_limit=args.forecast_limit,
-                                           adaptive_k=not args.fixed_k, route=route or "auto",
-                                           forecast_last=bool(last))
+                                           adaptive_k=not args.fixed_k, route=route or "auto")
         # the oracle's CPU time includes its recording run (run_speculative records, then decodes): not comparable
         cpu_ms_per_token = None if predictor == "oracle" else (time.process_time() - cpu0) * 1e3 / stats.n_tokens
         c = stats.counters
@@ -146,18 +141,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--one-sync", default="auto", choices=["auto", "on", "off"],
                     help="auto/on: verifies as device passes (runtime/decode/device_pass.py); off: one host sync per MoE layer")
-    ap.add_argument("--forecast-k", type=int, default=None, help="experts spmoe takes per window token (default k)")
     ap.add_argument("--forecast-limit", type=int, default=None,
                     help="experts forecast per layer per round at most (default 2k)")
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (more: steadier medians)")
     ap.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="one prompt per line (default: bench/prompts.txt)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
-                    + "; a predictor may carry its experts per window token: spmoe@6 (else --forecast-k), +last: "
-                    "the drafter also feeds its last draft within the round for the forecast of the window's last token "
-                    "(runtime/decode/pairing.py), +ahead: the target's routed layers prefetch the next two layers' "
-                    "forecast experts (route-ahead on, runtime/decode/route_ahead.py; no-spec+ahead is then its "
-                    "baseline), and /off: verify windows never routed (runtime/decode/route_sync.py), "
-                    "e.g. spmoe+last/off")
+                    + "; /off: verify windows never routed (runtime/decode/window_routes.py), e.g. spmoe/off")
     ap.add_argument("--emulate-read-ms", type=float, default=0.0,
                     help="add this latency to every expert read (emulates an SSD slower than this machine's; "
                          "results are then labelled emulated)")
@@ -180,9 +169,8 @@ def main() -> None:
                 order = random.Random(rep * 1000 + i).sample(variants, len(variants))  # no variant always runs first
                 for variant in order:  # back to back on one prompt: drift hits all variants alike
                     runs[variant].append(run_once(target, draft, variant, budget, prompt, args))
-        for variant in variants:  # a +ahead variant against no-spec+ahead when it ran: the same loader work in both
-            ahead_base = "+ahead" in variant and variant != "no-spec+ahead" and "no-spec+ahead" in runs
-            base = runs["no-spec+ahead"] if ahead_base else runs.get("no-spec")
+        for variant in variants:
+            base = runs.get("no-spec")
             results[f"{budget} {variant}"] = summarise(runs[variant], base, len(prompts))
     print(f"target {target.name}, drafter {draft.name}; greedy, {args.tokens} tokens x {len(prompts)} prompts, "
           f"K={args.num_draft}, io={args.io_mode}, {'raw checkpoint' if args.raw else 'packed store'}, {args.repeats} pass(es); "
@@ -214,7 +202,7 @@ def main() -> None:
     if rounds:
         print("where a round goes (totals over all runs, per round; verify reads per window of 2+ tokens, by the window "
               "tokens that routed to them: only the first (pending), only one middle draft, only the last draft d_K -- "
-              "which the drafter never fed, so no forecast named it unless +last --, two or more, none; "
+              "which the drafter never fed, so no forecast named it --, two or more, none; "
               "runtime/decode/window_reads.py)")
         print(f"{'budget variant':<22}{'draft ms':>10}{'verify ms':>11}{'read wait':>11}{'verify reads':>14}{'first':>7}"
               f"{'middle':>8}{'last':>7}{'shared':>8}{'none':>6}{'last share':>12}")
@@ -225,7 +213,7 @@ def main() -> None:
                   f"{(v['last_only'] / v['total'] if v['total'] else 0):>12.0%}")
     print(json.dumps({"bench": "speculative", "target": str(source if scratch else target), "packed": not args.raw, "draft": str(draft), "num_draft": args.num_draft,
                       "io_mode": args.io_mode, "emulated_read_ms": args.emulate_read_ms, "tokens": args.tokens,
-                      "one_sync": args.one_sync, "forecast_k": args.forecast_k, "adaptive_k": not args.fixed_k,
+                      "one_sync": args.one_sync, "adaptive_k": not args.fixed_k,
                       "forecast_limit": args.forecast_limit, "repeats": args.repeats, "prompts": prompts,
                       "load_avg": [load0, os.getloadavg()],
                       "results": results}))

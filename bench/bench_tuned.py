@@ -27,7 +27,7 @@ from runtime.tune.sign_test import ALPHA, chance_of_a_verdict, trials_needed  # 
 from runtime.checkpoints import embedded_pair  # noqa: E402
 from runtime.observe import read_prompts  # noqa: E402
 from runtime.tune import SettingRunner, Workload  # noqa: E402
-from runtime.tune import resolve_forecast_experts, resolve_lookahead, resolve_route_ahead, resolve_settings  # noqa: E402
+from runtime.tune import resolve_settings  # noqa: E402
 from runtime.tune import Setting  # noqa: E402
 
 
@@ -50,14 +50,9 @@ def main() -> None:
     k, pred, cut, pol, note = resolve_settings(model, draft, args.budget, None, None, None, None)
     if note is None or not note.startswith("using tuned"):
         raise SystemExit(f"no tuning for this pair and budget ({note}); run specmoe tune first")
-    la, la_m = resolve_lookahead(Path(model), Path(draft), args.budget, None, None)
-    ra = resolve_route_ahead(Path(model), Path(draft), args.budget, None) == "on"
-    fk = resolve_forecast_experts(Path(model), Path(draft), args.budget, None)
-    tuned = Setting(cut if cut is not None else -1, pred, k, pol, la, la_m or 0, ra, fk or 0)
+    tuned = Setting(cut if cut is not None else -1, pred, k, pol)
     data = json.loads((Path(model) / "tuning.json").read_text())
-    swept = {Setting(m["cutoff"], m["predictor"], m["num_draft"], m["policy"], m.get("lookahead", 0),
-                     m.get("lookahead_experts", 0), m.get("route_ahead", False), m.get("forecast_experts", 0))
-             for e in data["entries"] for m in e["measured"]}
+    swept = {Setting(m["cutoff"], m["predictor"], m["num_draft"], m["policy"]) for e in data["entries"] for m in e["measured"]}
     settings = [tuned] + sorted(swept - {tuned}, key=lambda s: s.simplicity())
     runner = SettingRunner(Workload(model, draft, args.budget, read_prompts(args.prompts), args.max_tokens, args.io_mode))
     samples = {s: [] for s in settings}
@@ -91,10 +86,7 @@ def main() -> None:
             verdict = "slower in every trial" if counts else f"slower in every trial, {luck}"
         else:
             verdict = "within the noise"
-        la = f" la={s.lookahead}x{s.lookahead_experts or 'k'}" if s.lookahead else ""
-        la += " route-ahead" if s.route_ahead else ""
-        la += f" fc={s.forecast_experts}" if s.forecast_experts else ""
-        label = ("TUNED " if s == tuned else "") + f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}{la}"
+        label = ("TUNED " if s == tuned else "") + f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}"
         rows.append({"setting": label, "tokens_per_s": tps, "tokens_per_s_min": min(samples[s]),
                      "tokens_per_s_max": max(samples[s]), "ratio_vs_tuned": r, "ratio_min": lo, "ratio_max": hi,
                      "misses_per_token": statistics.median(misses[s]), "verdict": verdict, "trials": samples[s]})

@@ -8,7 +8,8 @@
   distance; policies, oracles and the per-layer slot split on that trace; then dlfu with the lookahead
   prefetching, over a grid of experts per token m and router-probability thresholds p, and with prefetch
   admitted into free slots only (runtime/tune/forecast_replay.py).
-- part_recall_vs_spmoe: spmoe (drafter states) and the lookahead scoring the same verify windows.
+The router lookahead is an analysis here only: as a live prefetcher it never paid (docs/flags.md), so it was taken out
+of the engine; the Recorder wraps the MoE modules' calls in this process to record its forecasts.
 Ratios are per MoE layer: median (min-max over layers).
 """
 
@@ -43,8 +44,8 @@ def spread(xs: list[float]) -> str:
 
 
 class Recorder:
-    """The LookaheadPrefetch hook interface, recording instead of prefetching: per call, the routing and,
-    per (target layer, distance), the lookahead's top-8 experts and their router probabilities."""
+    """Per synced MoE call: the routing and, per (target layer, distance), the lookahead's top-8 experts and their
+    router probabilities."""
 
     def __init__(self, lookahead):
         self.lookahead = lookahead
@@ -73,9 +74,18 @@ def record_decode(prompts: list[str], tokens: int, seed: int = 0):
     mx.random.seed(seed)
     om = OffloadedModel.load(embedded_pair().target, OffloadConfig(budget="100%", telemetry=False))
     try:
+        from runtime.cache import CachedSwitchGLU
+
         rec = Recorder(RouterLookahead(om.routers(), DISTANCES, TOP))
-        for m in om.modules.values():
-            m.lookahead = rec
+        real = CachedSwitchGLU.__call__
+
+        def call(module, x, indices):  # the per-layer synced path: record, then the module's own call
+            ahead = rec.start(module.layer, x)
+            mx.eval(indices, [top for _, top in ahead])
+            rec.finish(module.layer, ahead, np.array(indices))
+            return real(module, x, indices)
+
+        CachedSwitchGLU.__call__ = call
         out = []
         for text in prompts:
             rec.actual, rec.forecast = {}, {}
@@ -85,6 +95,7 @@ def record_decode(prompts: list[str], tokens: int, seed: int = 0):
                         {k: np.concatenate(v) for k, v in rec.forecast.items()}))
         return out, om.moe_layers
     finally:
+        CachedSwitchGLU.__call__ = real
         om.close()
 
 
@@ -214,38 +225,3 @@ def part_lookahead(tokens: int, fraction: float = 0.25) -> dict:
           f"{spread(pp['demand_vs_lru'])}, reads vs Belady {spread(pp['reads_vs_belady'])}")
     res["per_prompt_default"] = pp
     return res
-
-
-def part_recall_vs_spmoe(tokens: int) -> dict:
-    """Speculative decoding with spmoe forecasting every layer and the lookahead scoring (not prefetching)
-    the same verify windows at distances 1, 2, 4."""
-    from runtime.decode import release_drafter, speculative_decoder
-
-    pair = embedded_pair()
-    om = OffloadedModel.load(pair.target, OffloadConfig(budget="25%"))
-    try:
-        prompts = [t for t in (ROOT / "prompts.txt").read_text().splitlines() if t.strip()]
-        spmoe_hits = spmoe_actual = 0
-        la = {j: [0, 0] for j in DISTANCES}
-        for p in prompts:
-            ids = list(om.tokenizer.encode(p))
-            dec = speculative_decoder(om, pair.default_drafter, ids, max_tokens=tokens, num_draft=3, predictor="spmoe",
-                                      cutoff=None)
-            hook = om.set_lookahead(None, distances=DISTANCES, queue=False, min_prob=0.0)  # top-k, as spmoe names
-            try:
-                dec.generate(ids, tokens)
-            finally:
-                release_drafter(dec.drafter)
-            spmoe_hits += sum(s.hits for s in dec.stats.per_layer.values())
-            spmoe_actual += sum(s.actual for s in dec.stats.per_layer.values())
-            for j, s in hook.stats.by_distance.items():
-                la[j][0] += s.hits
-                la[j][1] += s.actual
-        out = {"spmoe": spmoe_hits / spmoe_actual, **{f"lookahead_{j}": h / a if a else 0.0 for j, (h, a) in la.items()}}
-        print(f"\n== recall on verify windows (K=3, {len(prompts)} prompts x {tokens} tokens, routing-trained drafter): "
-              f"spmoe (drafter states, all layers) {out['spmoe']:.1%}; lookahead "
-              + ", ".join(f"{j} ahead {out[f'lookahead_{j}']:.1%}" for j in DISTANCES))
-        return out
-    finally:
-        om.set_lookahead(0)
-        om.close()

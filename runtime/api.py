@@ -20,12 +20,11 @@ Your own token loop: `engine.model.model` is the mlx-lm model whose MoE layers r
 cache, so `model(ids[None], cache=make_prompt_cache(model))` or mlx-lm's `generate_step` over it
 gives the resident model's tokens (lossless), and totals and the plan still count. It skips what
 `stream_generate` adds around the model: one host sync per token (each MoE layer reads its routing
-back instead, one sync per layer, which also stops mlx-lm's async pipelining of the next step),
-the repair of absent experts and the routed layers' early syncs (and `route_ahead` prefetch,
-which rides on them), the warm start (a full budget's experts read up front, or `warm`), the
+back instead, one sync per layer, which also stops mlx-lm's async pipelining of the next step, and
+which is what `stream_generate` itself runs below a full budget), the repair of absent experts and the
+verify windows' early syncs, the warm start (a full budget's experts read up front, or `warm`), the
 memory limit's KV accounting (slots given back as the KV grows; prefill chunks sized to fit), the
-drafter (speculative decoding and its prefetch) and RunStats. The lookahead set at load, expert-
-major prefill, caching and the memory governor stay on: they live in the MoE layers and the cache.
+drafter (speculative decoding and its prefetch) and RunStats. Expert-major prefill, caching and the memory governor stay on: they live in the MoE layers and the cache.
 
 Invariants: a prompt string is tokenized as given (apply a chat template yourself, as with
 mlx-lm); greedy output equals the resident mlx-lm model's; every call starts a fresh KV cache and
@@ -59,11 +58,8 @@ class DraftSettings:
     predictor: str  # expert forecaster: none, previous, popularity, spmoe, oracle
     cutoff: int  # prefetch for the first `cutoff` MoE layers; the MoE layer count: all, 0: none
     projection: Path | None = None  # drafter->target projection file (spmoe); None: next to the target
-    forecast_k: int | None = None  # experts taken per window token by spmoe; None: the target's k
     max_prefetch_bytes: int | None = None  # cap on prefetch reads per round; None: the cache itself
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
-    lookahead: int = 0  # router lookahead for the layers past the cutoff during verify (MoE layers ahead; 0: off)
-    lookahead_experts: int | None = None  # experts per token it takes; None: the target's k
 
 
 @dataclass
@@ -118,39 +114,26 @@ class GenerationResponse:
 def load(model: str | Path, budget: str = "auto", draft: str | Path | None = None, *, num_draft: int | None = None,
          predictor: str | None = None, cutoff: int | None = None, policy: str | None = None, threads: int = 4,
          io_mode: str = "buffered", verify: bool = True, memory_governor: bool = True,
-         projection: str | Path | None = None, forecast_k: int | None = None,
+         projection: str | Path | None = None,
          max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
          memory_limit: str | None = "auto", context_tokens: int = 4096,
-         adaptive_k: bool = True, lookahead: int | None = None, lookahead_experts: int | None = None,
-         slot_trace: str | Path | None = None, route_ahead: str | None = None, one_sync: str = "auto") -> Engine:
+         adaptive_k: bool = True, one_sync: str = "auto") -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
     `memory_limit` ("12GB", "auto": the auto budget rule's memory, None: no cap) caps the whole process --
     baseline, resident weights, KV and state at `context_tokens`, drafter, expert cache -- and the expert cache
     gives slots back as the KV outgrows that context (runtime/cache/memory_limit.py).
-    `lookahead` > 0 prefetches each MoE layer's experts forecast by pushing the hidden state of the layer
-    `lookahead` MoE layers earlier through its router (plain decode: every layer it can reach; speculative:
-    the layers past the cutoff), `lookahead_experts` per token (default the model's k); None: the tuned
-    setting with a drafter, else off.
-    `slot_trace`: a routing trace of this model (`specmoe profile --trace`); the budget's slots are then split
-    over layers by their miss curves instead of equally (same total).
-    `route_ahead` ("off", "on", "auto"): routed decode steps also prefetch the next layers' forecast experts at
-    each layer's sync (runtime/decode/route_ahead.py; "auto": while reads take >= 0.25 ms each); None: the tuned
-    setting with a drafter, else off.
-    `one_sync` ("auto", "on", "off"): decode steps and verify passes look experts up on the device with one host
-    sync per forward, repaired when one was absent ("auto" also syncs early at layers that keep missing); "off":
-    one sync per MoE layer.
+    `one_sync`: "auto" (the default) decodes with one host sync per token (experts looked up on the device,
+    repaired when one was absent) while the budget holds every expert, else with one sync per MoE layer; verify
+    windows look up on the device and sync early at the layers whose windows keep missing
+    (runtime/decode/plain.py, window_routes.py; docs/flags.md). "on" (device passes at any budget) and "off" (one
+    sync per MoE layer at any budget) are for comparisons.
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     if one_sync not in ONE_SYNC:
         raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
     notes = []
     settings = None
-    from runtime.tune import resolve_forecast_experts, resolve_lookahead, resolve_route_ahead
-
-    route_ahead = resolve_route_ahead(Path(model), Path(draft) if draft else None, budget, route_ahead)
-    lookahead, lookahead_experts = resolve_lookahead(Path(model), Path(draft) if draft else None, budget, lookahead,
-                                                     lookahead_experts)
     if draft is not None:
         from runtime.tune import resolve_settings
 
@@ -158,26 +141,19 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
                                                                       predictor, cutoff, policy)
         if note:
             notes.append(note)
-        if predictor == "spmoe":  # the width tune measured is spmoe's; another predictor keeps the model's k
-            forecast_k = resolve_forecast_experts(Path(model), Path(draft), budget, forecast_k)
         settings = DraftSettings(Path(draft), num_draft, predictor, cutoff,
-                                 Path(projection) if projection else None, forecast_k, max_prefetch_bytes,
-                                 adaptive_k, lookahead, lookahead_experts)
+                                 Path(projection) if projection else None, max_prefetch_bytes, adaptive_k)
     om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or DEFAULT_POLICY, threads=threads,
                                                   io_mode=io_mode, verify_checksums=verify,
                                                   governor=GovernorConfig() if memory_governor else None,
                                                   telemetry=telemetry, inject=inject, memory_limit=memory_limit,
                                                   context_tokens=context_tokens,
-                                                  drafter_bytes=_weights_bytes(draft) if draft is not None else 0,
-                                                  slot_trace=Path(slot_trace) if slot_trace else None,
-                                                  route_ahead=route_ahead))
+                                                  drafter_bytes=_weights_bytes(draft) if draft is not None else 0))
     if settings is not None and settings.cutoff is None:  # all layers, said as the count (as --json reports it)
         from dataclasses import replace
 
         settings = replace(settings, cutoff=len(om.moe_layers))
     engine = Engine(om, settings, notes, policy or DEFAULT_POLICY, one_sync)
-    if settings is None and lookahead:
-        om.set_lookahead(lookahead, lookahead_experts)
     if settings is not None:
         try:
             engine._draft_model, engine._draft_config = load_drafter(settings.path, om)
@@ -235,9 +211,8 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
                                       predictor=d.predictor, cutoff=d.cutoff, projection=d.projection, temp=temp,
                                       top_p=top_p, top_k=top_k, min_p=min_p, seed=0 if seed is None else seed, eos_ids=eos,
                                       draft_model=engine._draft_model, draft_config=engine._draft_config,
-                                      one_sync=one_sync, forecast_k=d.forecast_k,
-                                      max_prefetch_bytes=d.max_prefetch_bytes, adaptive_k=d.adaptive_k,
-                                      lookahead=d.lookahead, lookahead_experts=d.lookahead_experts, warm=warm)
+                                      one_sync=one_sync, max_prefetch_bytes=d.max_prefetch_bytes,
+                                      adaptive_k=d.adaptive_k, warm=warm)
         tokens = decoder.stream(ids, max_tokens, eos, progress=progress)
     try:
         yield from _responses(tokens, tokenizer, RunMeter(om, len(ids), prompt_cache), decoder, max_tokens, eos)

@@ -28,24 +28,16 @@ def pass_idle(om) -> bool:
 
 
 def watch_repairs(monkeypatch) -> list:
-    """Record (layers found missing, layers the forward routed) at every whole-tail repair of a DevicePass."""
+    """Record (layers found missing, layers the forward routed) at every sync of a DevicePass that finds absent
+    experts (each one repaired)."""
     seen = []
-    real = DevicePass._repair
+    real = DevicePass._sync
 
-    def repair(self, launch, missing, loaded):
-        seen.append((frozenset(missing), launch.route[0]))
-        return real(self, launch, missing, loaded)
+    def sync(self, launch):
+        missing = real(self, launch)
+        if missing:
+            seen.append((frozenset(missing), launch.routes))
+        return missing
 
-    monkeypatch.setattr(DevicePass, "_repair", repair)
+    monkeypatch.setattr(DevicePass, "_sync", sync)
     return seen
-
-
-def route_syncs_read_nothing(monkeypatch) -> None:
-    """Break every DevicePass route sync: it syncs the codes but reads none of the absent experts."""
-    def no_reads(self, layer, indices, codes, ahead, held):
-        mx.eval(codes)
-        self.cache.host_syncs += 1
-        self.stats.route_syncs += 1
-        return False
-
-    monkeypatch.setattr(DevicePass, "_route_sync", no_reads)

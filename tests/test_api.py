@@ -80,29 +80,6 @@ def test_bad_arguments_are_value_errors(pair):
             list(stream_generate(engine, [], max_tokens=4))
 
 
-def test_the_tuned_forecast_width_reaches_spmoe_only(pair, tmp_path):
-    """A tuning.json entry for this model, drafter, budget and machine with a wider forecast (`specmoe tune`'s
-    stage 5d) sets spmoe's experts per window token; a flag overrides it, and another predictor keeps the model's k."""
-    import json
-    import shutil
-
-    from predictor.projection import config_digest
-    from runtime.tune import Setting, choose, save_tuning
-    from runtime.tune.tuner import Measurement, tuning_key
-
-    target = tmp_path / "target"
-    shutil.copytree(pair.target, target)  # tune writes tuning.json next to the model
-    digest = lambda d: config_digest(json.loads((d / "config.json").read_text()))  # noqa: E731
-    wide = Measurement(Setting(2, "spmoe", 3, "dlfu", forecast_experts=8), 10.0, 1.0, 0.0, 0.0, 0.5, 0.5)
-    save_tuning(target, tuning_key(digest(target), digest(pair.default_drafter), "50%"), choose([wide]), [wide])
-    with load(target, budget="50%", draft=pair.default_drafter) as engine:
-        assert engine.draft.predictor == "spmoe" and engine.draft.forecast_k == 8
-    with load(target, budget="50%", draft=pair.default_drafter, forecast_k=5) as engine:
-        assert engine.draft.forecast_k == 5
-    with load(target, budget="50%", draft=pair.default_drafter, predictor="previous") as engine:
-        assert engine.draft.forecast_k is None
-
-
 def test_one_stats_shape_for_plain_and_speculative(pair):
     """Both decoders' responses carry one RunStats with the same fields; decode-only rates at the top."""
     from runtime import RunStats

@@ -88,13 +88,13 @@ def test_deferred_bookkeeping_books_what_booking_each_forward_books(budget, tiny
     eviction choices (hence misses) come out as when each forward is booked right away."""
     import mlx.core as mx
 
-    import runtime.decode.device_pass as device_pass
+    import runtime.decode.bookkeeping as bookkeeping
     from runtime.decode import DevicePass, offloaded_generate_step
     from runtime.decode.warm import warm_start
     from tests.conftest import PROMPT
 
     def run(defer_forwards):
-        monkeypatch.setattr(device_pass, "DEFER_FORWARDS", defer_forwards)
+        monkeypatch.setattr(bookkeeping, "DEFER_FORWARDS", defer_forwards)
         om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget=budget))
         try:
             warm_start(om)
@@ -109,4 +109,4 @@ def test_deferred_bookkeeping_books_what_booking_each_forward_books(budget, tiny
         finally:
             om.close()
 
-    assert run(device_pass.DEFER_FORWARDS) == run(1)
+    assert run(bookkeeping.DEFER_FORWARDS) == run(1)

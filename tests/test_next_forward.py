@@ -6,8 +6,6 @@ the tokens still equal stock's."""
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -23,8 +21,8 @@ from tests.pass_helpers import decode_through_pass, pass_idle as _idle
 N = 20
 
 
-def _decode(om, segment=None, build_next=True, n=N, **options):
-    return decode_through_pass(om, n, segment=segment, build_next=build_next, **options)
+def _decode(om, build_next=True, n=N, **options):
+    return decode_through_pass(om, n, build_next=build_next, **options)
 
 
 def _expected(tiny_dirs, family, om):
@@ -34,7 +32,7 @@ def _expected(tiny_dirs, family, om):
 def test_at_a_full_budget_every_forward_is_built_before_the_previous_sync(tiny_dirs):
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
     try:
-        tokens, dp = _decode(om, segment="auto")
+        tokens, dp = _decode(om)
         assert tokens == _expected(tiny_dirs, "qwen3_moe", om)
         st = dp.stats
         # Forwards: the prompt's last token, then one per token (the last one after the last yield too); all
@@ -57,10 +55,9 @@ def test_off_builds_after_the_sync_with_the_same_tokens(tiny_dirs):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])
 def test_a_dropped_next_forward_leaves_the_caches_right(family, tiny_dirs, monkeypatch):
-    """Built even while repairs are frequent (the rate gate lifted): every repaired forward drops the next one,
+    """Device passes at 25% (as one_sync="on" runs them): every repaired forward drops the next one,
     whose KV (trimmed), GatedDeltaNet state (qwen3_next) or full sliding window (gpt_oss, window 8 of a
     longer sequence: restored from the snapshot) must come back as the repaired forward left them."""
-    monkeypatch.setattr(next_forward, "NEXT_MAX_REPAIR_RATE", math.inf)
     om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="25%"))
     try:
         tokens, dp = _decode(om)
@@ -75,7 +72,6 @@ def test_a_dropped_next_forward_leaves_the_caches_right(family, tiny_dirs, monke
 
 def test_a_dropped_forward_without_its_rollback_is_caught(tiny_dirs, monkeypatch):
     """The test above can fail: keep the dropped forward's cache writes and the tokens differ (or the run breaks)."""
-    monkeypatch.setattr(next_forward, "NEXT_MAX_REPAIR_RATE", math.inf)
     monkeypatch.setattr(next_forward, "roll_back", lambda *a, **k: None)
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
     try:
@@ -90,67 +86,22 @@ def test_a_dropped_forward_without_its_rollback_is_caught(tiny_dirs, monkeypatch
         om.close()
 
 
-def test_routed_forwards_synced_as_built_or_hooks_that_may_evict_build_no_next_forward(tiny_dirs):
-    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
-    try:
-        # Routed forwards that sync as they are built (staged ones build their next forward a layer at a time
-        # between their route syncs: tests/test_paced_build.py).
-        tokens, dp = _decode(om, segment="auto", staged=False)
-        assert tokens == _expected(tiny_dirs, "qwen3_moe", om)
-        # The first repairs make the layers routed; forwards synced as they are built have no next one built early.
-        assert dp.stats.repairs > 0 and dp.stats.routed > 0
-        assert dp.stats.next_built <= dp.stats.passes - dp.stats.routed
-    finally:
-        om.close()
-    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
-    try:
-        om.forward_hooks.append(lambda routing: None)  # a forecaster's hook may evict: no pending graph allowed
-        tokens, dp = _decode(om)
-        assert dp.stats.next_built == 0 and tokens == _expected(tiny_dirs, "qwen3_moe", om)
-    finally:
-        om.close()
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-def test_while_repairs_are_frequent_one_sync_next_forwards_are_queued_only_once_accepted(family, tiny_dirs,
-                                                                                        monkeypatch):
-    """"on" at 25% repairs often: the next forward is still built before the pending one's sync, but queued only
-    when the pending one is accepted (a repair then throws away its build, never its compute); lossless."""
-    queued = []
-    real = DevicePass._build
-
-    def build(self, forward, cache, n_tokens, snapshot, route, queue=True):
-        if self._launch is not None:  # built while a forward is pending: a next forward
-            queued.append((queue, self.repair_rate))
-        return real(self, forward, cache, n_tokens, snapshot, route, queue)
-
-    monkeypatch.setattr(DevicePass, "_build", build)
-    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="25%"))
-    try:
-        tokens, dp = _decode(om, segment=None)
-        assert tokens == _expected(tiny_dirs, family, om)
-        st = dp.stats
-        assert st.repairs > 0 and st.next_built >= N // 2 and 0 < st.next_dropped <= st.repairs
-        late = [q for q, rate in queued if rate > next_forward.NEXT_MAX_REPAIR_RATE]
-        assert late and not any(late)  # built, not queued, while the rate is over the gate
-        assert _idle(om)
-    finally:
-        om.close()
-
-
-def test_generation_stats_report_early_and_routed_forwards(tiny_dirs):
-    """--json's GenerationStats: early forwards at a full budget, routed ones at 25% (auto), built early too
-    (staged: a layer at a time between the pending forward's route syncs)."""
+def test_generation_stats_report_early_forwards_and_the_decode_path(tiny_dirs):
+    """--json's GenerationStats: at a full budget the default decodes through device passes, every forward after the
+    first built early, one sync a token; at 25% it takes the per-layer path, one sync per MoE layer and the token's."""
     from runtime.decode.plain import generate_tokens
 
-    for budget, routed in (("100%", False), ("25%", True)):
+    for budget in ("100%", "25%"):
         om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget=budget))
         try:
-            ids = om.tokenizer.encode(PROMPT)
-            tokens, stats = generate_tokens(om.model, ids, max_tokens=N, om=om)
+            tokens, stats = generate_tokens(om.model, om.tokenizer.encode(PROMPT), max_tokens=N, om=om)
             assert tokens == _expected(tiny_dirs, "qwen3_moe", om)
-            assert stats.early_forwards >= (N // 2 if routed else N - 2)
-            assert (stats.routed_forwards >= N // 2) == routed and (stats.routed_forwards == 0) == (not routed)
+            if budget == "100%":
+                assert stats.decode_path == "device pass" and stats.early_forwards >= N - 2
+                assert stats.host_syncs_per_token == 1.0
+            else:
+                assert stats.decode_path == "per-layer sync" and stats.early_forwards == 0
+                assert stats.host_syncs_per_token == len(om.moe_layers) + 1
         finally:
             om.close()
 
@@ -163,7 +114,6 @@ def test_the_build_that_quantizes_the_kv_is_not_built_early(tmp_path, monkeypatc
 
     from runtime.checkpoints.tiny import make_tiny
 
-    monkeypatch.setattr(next_forward, "NEXT_MAX_REPAIR_RATE", math.inf)
     path = make_tiny(tmp_path / "m", "qwen3_moe", seed=1, layers=3, n_experts=32, top_k=4, hidden=128)  # head_dim 32
     for budget in ("100%", "25%"):
         om = OffloadedModel.load(path, OffloadConfig(budget=budget))
@@ -173,7 +123,7 @@ def test_the_build_that_quantizes_the_kv_is_not_built_early(tmp_path, monkeypatc
             stock = [t for t, _ in generate_step(mx.array(ids), load(str(path))[0], max_tokens=N, kv_bits=4,
                                                  kv_group_size=32, quantized_kv_start=start)]
             warm_start(om)
-            dp = DevicePass(om, segment=None)
+            dp = DevicePass(om)
             gen = offloaded_generate_step(om, mx.array(ids), max_tokens=N, sampler=lambda x: mx.argmax(x, axis=-1),
                                           device_pass=dp, after_prefill=om.cache.settle_inflight, kv_bits=4,
                                           kv_group_size=32, quantized_kv_start=start)

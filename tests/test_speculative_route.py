@@ -1,9 +1,11 @@
-"""Routed verify windows (runtime/decode/route_sync.py's rule on the windows' own miss rates, set up by
+"""Routed verify windows (runtime/decode/window_routes.py's rule on the windows' own miss rates, set up by
 runtime/decode/speculative.py): a window's layers that keep missing sync their codes before their experts run,
 so a miss there costs its read and no recompute; a window the forecast covered keeps its one host sync; only
 unrouted layers wait for their prefetches before the window; greedy output stays the target's."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,9 +13,10 @@ from mlx_lm import load
 
 from runtime.decode.device_pass import DevicePass
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
-from runtime.decode.route_sync import LAYER_DECAY
+from runtime.decode.pass_stats import PassStats
 from runtime.decode.speculative import SpecConfig
 from runtime.decode.speculative_run import run_speculative
+from runtime.decode.window_routes import LAYER_DECAY, WindowRoutes
 from storage import ExpertKey
 from tests.conftest import PROMPT, greedy_ids
 from tests.pass_helpers import watch_repairs
@@ -27,44 +30,28 @@ def _run(om, ids, dmodel, **kw):
                            draft_model=dmodel, draft_config=om.config, **kw)
 
 
-def _window_pass(om, sync_cost=0.1, repair_extra=0.0) -> DevicePass:
-    dp = DevicePass(om, sync_cost=sync_cost)  # as the speculative decoder's: no segments
-    dp.lookup_layers = frozenset(dp.order)
-    dp.repair_extra = repair_extra
-    return dp
+def _routes(om) -> WindowRoutes:
+    order = sorted(om.moe_layers, key=om.decoder_index.get)
+    return WindowRoutes(om.cache, order, om.decoder_index, SimpleNamespace(verify_layer_miss=None), PassStats())
 
 
 def test_a_window_layer_routes_by_its_own_window_rate(tiny_dirs):
+    """Layer l routes while w_l (R_l + E + q) > q, q = 0.05 and E = 2: on three decoder layers a repair from the
+    first, middle, last recomputes R = 3, 2, 1, so the thresholds are 0.0099, 0.0123, 0.0164."""
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
     try:
-        dp = _window_pass(om)
-        first, middle, last = dp.order  # decoder layers 0, 1, 2: a repair from there recomputes 3, 2, 1 layers
-        assert dp.window_routes() == frozenset() and dp._route_set(4, True) == frozenset()  # the owner has not allowed it
-        dp.route_windows = True
-        rates = {(0.0, 0.0, 0.0): set(),
-                 (0.02, 0.02, 0.02): set(),  # 0.02 x 3.1 < 0.1
-                 (0.04, 0.04, 0.04): {first},  # 0.04 x 3.1 > 0.1 > 0.04 x 2.1
-                 (0.0, 0.0, 0.2): {last},  # 0.2 x 1.1 > 0.1
-                 (0.06, 0.06, 0.06): {first, middle}}
+        r = _routes(om)
+        first, middle, last = r.order
+        rates = {(0.0, 0.0, 0.0): set(), (0.009, 0.009, 0.009): set(), (0.011, 0.011, 0.011): {first},
+                 (0.0, 0.0, 0.02): {last}, (0.013, 0.013, 0.013): {first, middle}}
         for w, routed in rates.items():
-            dp.window_miss[:] = w
-            assert dp.window_routes() == routed, w
-            assert dp._route_set(4, True) == routed  # a window of 4 tokens
-            assert dp._route_set(1, True) == routed  # a plain round (K = 0) is a window of one token
-        dp.window_miss[:] = 0.02
-        dp.repair_extra = 2.0  # E: 0.02 x (3 + 2 + 0.1) > 0.1
-        assert dp.window_routes() == {first}
-        dp.lookup_layers = frozenset({middle, last})  # a layer that does not look up on the device never routes
-        dp.window_miss[:] = 0.06
-        dp.repair_extra = 0.0
-        assert dp._route_set(4, True) == {middle}
-        dp.layer_miss[:] = 1.0  # one-token forwards' rates are not the windows'
-        dp.window_miss[:] = 0.0
-        assert dp._route_set(4, True) == frozenset()
-        off = DevicePass(om, route=False)
-        off.lookup_layers, off.route_windows = frozenset(off.order), True
-        off.window_miss[:] = 1.0
-        assert off._route_set(4, True) == frozenset()  # routes off: never routed
+            r.miss[:] = w
+            assert r.layers() == routed, w
+        dp = DevicePass(om)
+        dp.routes.miss[:] = 1.0
+        assert dp.window_routes() == frozenset()  # the owner has not allowed it
+        dp.route_windows = True
+        assert dp.window_routes() == frozenset(dp.order)
     finally:
         om.close()
 
@@ -75,25 +62,24 @@ def test_window_rates_start_above_the_threshold_where_a_layer_cannot_hold_every_
     path = tiny_dirs["qwen3_moe"]
     om = OffloadedModel.load(path, OffloadConfig(budget="50%"))
     try:
-        dp = _window_pass(om, repair_extra=2.0)
-        dp.window_miss = dp._window_prior()
-        dp.route_windows = True
-        assert dp.window_routes() == frozenset(dp.order)
+        r = _routes(om)
+        assert r.layers() == frozenset(r.order)
         covered = 0
-        while dp.window_routes():
-            dp._note_window_misses({})  # a window that read nothing
+        while r.layers():
+            r.note({})  # a window that read nothing
             covered += 1
         assert 30 <= covered <= 40  # ln 2 / -ln LAYER_DECAY ~ 34 windows
-        first = dp.order[0]
-        before = dp.window_miss.copy()
-        dp._note_window_misses({first: [(np.array([1]), 0, 0.0)]})  # one read in the first layer routes it again
-        assert dp.window_routes() == {first}
-        np.testing.assert_allclose(dp.window_miss, LAYER_DECAY * before + (1 - LAYER_DECAY) * np.eye(3)[0])
+        first = r.order[0]
+        before = r.miss.copy()
+        r.note({first: [(np.array([1]), 0, 0.0)]})  # one read in the first layer routes it again
+        assert r.layers() == {first}
+        np.testing.assert_allclose(r.miss, LAYER_DECAY * before + (1 - LAYER_DECAY) * np.eye(3)[0])
+        assert r.owner.verify_layer_miss is r.miss  # carried to the next generation
     finally:
         om.close()
     om = OffloadedModel.load(path, OffloadConfig(budget="100%"))
     try:
-        assert not DevicePass(om)._window_prior().any()
+        assert not _routes(om).miss.any()
     finally:
         om.close()
 
@@ -126,7 +112,7 @@ def test_windows_that_keep_missing_are_routed_and_stay_lossless(family, tiny_dir
         assert routed.host_syncs > routed.n_rounds + routed.repairs  # routed windows sync per MoE layer
         carried = np.array(om.verify_layer_miss)
         assert carried.shape == (len(om.moe_layers),) and (carried > 0).all()
-        assert (DevicePass(om).window_miss == carried).all()  # the next generation starts from them
+        assert (DevicePass(om).routes.miss == carried).all()  # the next generation starts from them
     finally:
         om.close()
 

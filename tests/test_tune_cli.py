@@ -92,9 +92,9 @@ def test_tune_at_a_budget_holding_every_expert_says_prefetch_does_not_apply(pair
 
 
 @pytest.mark.slow
-def test_tune_measures_the_lookahead_and_emulated_reads_are_labelled(pair, tmp_path):
-    """At 25% the tuner measures the router lookahead (j and experts per token) for the layers past the cutoff,
-    shows it per row, and a hidden --inject latency reaches every measured run and is labelled EMULATED."""
+def test_tune_at_a_partial_budget_labels_emulated_reads_and_records_four_settings(pair, tmp_path):
+    """At 25% a hidden --inject latency reaches every measured run and is labelled EMULATED; the settings the tuner
+    records are cutoff, predictor, K and policy only."""
     target, drafter, prompts = pair
     code, stdout, err = run_cli(["tune", "-m", str(target), "--draft", str(drafter), "--prompts", str(prompts), "--measure-tokens", "4",
                                  "--budget", "25%", "--inject", "slow:ms=0.2", "--json", str(tmp_path / "t.json")])
@@ -102,18 +102,5 @@ def test_tune_measures_the_lookahead_and_emulated_reads_are_labelled(pair, tmp_p
     report = json.loads((tmp_path / "t.json").read_text())
     assert report["inject"] == "slow:ms=0.2" and "EMULATED" in err
     settings = [m["setting"] for m in report["measured"]]
-    n_layers = TINY["layers"]
-    ran = {(s["lookahead"], s["lookahead_experts"]) for s in settings if s["lookahead"]}
-    assert len(ran) == 3 or report["chosen"]["cutoff"] >= n_layers, settings
-    assert "lookahead j/m" in stdout and ("lookahead off" in stdout or "layer(s) ahead" in stdout)
-    # Route-ahead for the verify windows' route syncs is measured too, and kept only if it pays (5c).
-    assert any(s["route_ahead"] for s in settings) and "route-ahead" in stdout
-    # A wider spmoe forecast (5d: 2k experts per window token) is measured when spmoe prefetches at that point, and
-    # shown per row; kept only if it pays, as route-ahead.
-    wide = [s for s in settings if s["forecast_experts"]]
-    assert all(s["forecast_experts"] == 2 * TINY["top_k"] and s["predictor"] == "spmoe" and s["cutoff"] for s in wide)
-    assert "forecast/token" in stdout
-    if report["chosen"]["route_ahead"]:  # kept: it measured faster than the same setting without it
-        twin = {**report["chosen"], "route_ahead": False}
-        tps = {json.dumps(m["setting"], sort_keys=True): m["tokens_per_s"] for m in report["measured"]}
-        assert tps[json.dumps(report["chosen"], sort_keys=True)] > tps.get(json.dumps(twin, sort_keys=True), 0.0)
+    assert len(settings) > 1 and all(set(s) == {"cutoff", "predictor", "num_draft", "policy"} for s in settings)
+    assert set(report["chosen"]) == {"cutoff", "predictor", "num_draft", "policy"}

@@ -100,53 +100,18 @@ def test_a_winner_inside_the_noise_is_not_declared():
     assert c.setting.cutoff == 4 and "outside the noise" in c.reason and "3 pass(es)" in c.reason
 
 
-def test_lookahead_kept_only_when_it_pays_and_old_tuning_files_still_load(tmp_path):
-    off = Measurement(Setting(0, "none", 3, "dlfu"), 10.0, 1.0, 0.0, 0.0, 0.0, 0.5)
-    near = Measurement(Setting(0, "none", 3, "dlfu", 1, 4), 10.2, 0.5, 1.0, 0.5, 0.0, 0.5)  # within noise: off wins
-    assert choose([off, near]).setting == off.setting
-    assert "prefetch does not pay" in choose([off, near]).reason
-    fast = Measurement(Setting(0, "none", 3, "dlfu", 2, 4), 11.0, 0.5, 1.0, 0.5, 0.0, 0.5)
-    assert choose([off, near, fast]).setting.lookahead == 2
+def test_tuning_files_with_fields_of_settings_no_longer_tuned_still_load(tmp_path):
+    """Files written while the tuner also measured the router lookahead, route-ahead and the forecast width load with
+    those fields ignored; a file from before them loads too; an entry missing a field of today is refused."""
     key = tuning_key("model-a", "drafter-x", "50%")
-    old = {"version": 1, "entries": [{"key": key, "setting": {"cutoff": 2, "predictor": "spmoe", "num_draft": 3,
-                                                             "policy": "lru"}}]}
-    (tmp_path / "tuning.json").write_text(json.dumps(old))  # written before the lookahead existed
-    setting, _ = load_tuning(tmp_path, key)
-    assert setting == Setting(2, "spmoe", 3, "lru") and setting.lookahead == 0
-
-
-def _model_and_drafter(tmp_path, budget: str):
-    """Two directories with a config.json each (a model and a drafter) and the tuning key for them at `budget`."""
-    from predictor.projection import config_digest
-
-    model, draft = tmp_path / "m", tmp_path / "d"
-    for d in (model, draft):
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model_type": d.name}))
-    return model, draft, tuning_key(config_digest({"model_type": "m"}), config_digest({"model_type": "d"}), budget)
-
-
-def test_route_ahead_kept_only_when_it_pays_and_resolved_for_generate(tmp_path):
-    from runtime.tune.settings import resolve_route_ahead
-
-    off = Measurement(Setting(2, "spmoe", 3, "dlfu"), 10.0, 1.0, 0.0, 0.0, 0.5, 0.5)
-    near = Measurement(Setting(2, "spmoe", 3, "dlfu", route_ahead=True), 10.2, 0.6, 1.0, 0.5, 0.5, 0.5)
-    assert choose([off, near]).setting == off.setting  # within the noise: the simpler one, route-ahead off
-    fast = Measurement(Setting(2, "spmoe", 3, "dlfu", route_ahead=True), 11.5, 0.6, 1.0, 0.5, 0.5, 0.5)
-    assert choose([off, fast]).setting.route_ahead
-    # resolve_route_ahead: the flag wins, else the tuned setting (speculative only), else off; entries written
-    # before the field existed load with it off.
-    model, draft, key = _model_and_drafter(tmp_path, "25%")
-    save_tuning(model, key, choose([off, fast]), [off, fast])
-    assert resolve_route_ahead(model, draft, "25%", None) == "on"
-    assert resolve_route_ahead(model, draft, "25%", "off") == "off"
-    assert resolve_route_ahead(model, None, "25%", None) == "off"  # plain decoding: never tuned
-    assert resolve_route_ahead(model, draft, "50%", None) == "off"  # no entry for this budget
-    data = json.loads((model / "tuning.json").read_text())
-    for e in data["entries"]:
-        e["setting"].pop("route_ahead")
-    (model / "tuning.json").write_text(json.dumps(data))
-    assert resolve_route_ahead(model, draft, "25%", None) == "off"
+    base = {"cutoff": 2, "predictor": "spmoe", "num_draft": 3, "policy": "lru"}
+    for setting in (base, {**base, "lookahead": 1, "lookahead_experts": 4, "route_ahead": True, "forecast_experts": 8}):
+        (tmp_path / "tuning.json").write_text(json.dumps({"version": 1, "entries": [{"key": key, "setting": setting}]}))
+        assert load_tuning(tmp_path, key) == (Setting(2, "spmoe", 3, "lru"), None)
+    broken = {k: v for k, v in base.items() if k != "policy"}
+    (tmp_path / "tuning.json").write_text(json.dumps({"version": 1, "entries": [{"key": key, "setting": broken}]}))
+    setting, note = load_tuning(tmp_path, key)
+    assert setting is None and "malformed" in note
 
 
 def _repeated(cutoff, tps, lo, hi, predictor="spmoe"):
@@ -163,69 +128,6 @@ def test_a_single_pass_counts_with_the_noise_the_runs_repeats_show():
     assert c.setting.cutoff == 0 and "a single pass counts as +-" in c.reason and "does not pay" in c.reason
     assert c.measurement.tokens_per_s_min is None  # reported as measured, not with the widened band
     assert choose(runs[:2]).setting.cutoff == 2  # repeats all tight: the +-3% floor, prefetch wins
-
-
-def test_a_wider_forecast_is_kept_only_when_it_pays_and_reaches_generate(tmp_path):
-    """Stage 5d: spmoe taking 2k experts per window token instead of k is chosen only outside the noise of the
-    same setting at k; resolve_forecast_experts() (what api.load uses) gives the flag, else the tuned width for
-    this model, drafter, budget and machine, else None (the model's k); entries written before it load as k."""
-    from runtime.tune.settings import resolve_forecast_experts
-
-    narrow = Measurement(Setting(2, "spmoe", 3, "dlfu"), 10.0, 1.0, 0.0, 0.0, 0.5, 0.5)
-    near = Measurement(Setting(2, "spmoe", 3, "dlfu", forecast_experts=8), 10.2, 0.6, 1.0, 0.5, 0.7, 0.5)
-    assert choose([narrow, near]).setting == narrow.setting  # within the noise: the model's k
-    wide = Measurement(Setting(2, "spmoe", 3, "dlfu", forecast_experts=8), 11.5, 0.6, 1.0, 0.5, 0.7, 0.5)
-    assert choose([narrow, wide]).setting.forecast_experts == 8
-    model, draft, key = _model_and_drafter(tmp_path, "50%")
-    save_tuning(model, key, choose([narrow, wide]), [narrow, wide])
-    assert resolve_forecast_experts(model, draft, "50%", None) == 8
-    assert resolve_forecast_experts(model, draft, "50%", 5) == 5  # the flag wins
-    assert resolve_forecast_experts(model, None, "50%", None) is None  # plain decoding: no forecast
-    assert resolve_forecast_experts(model, draft, "25%", None) is None  # no entry for this budget
-    data = json.loads((model / "tuning.json").read_text())
-    for e in data["entries"]:
-        e["setting"].pop("forecast_experts")
-    (model / "tuning.json").write_text(json.dumps(data))
-    assert resolve_forecast_experts(model, draft, "50%", None) is None
-
-
-def test_tune_measures_a_wider_forecast_beside_the_best_spmoe_setting_and_keeps_it_only_when_it_pays(tmp_path, monkeypatch):
-    """run_tune's stage 5d on a stand-in runner (tok/s from a formula, no model): once spmoe prefetches in the best
-    setting so far, the same setting with 2k experts per window token is measured; it is chosen when it is faster
-    outside the noise, and not when it only ties."""
-    import runtime.tune.run as tune_run
-
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("one prompt\n")
-
-    class Runner:
-        n_moe_layers, top_k, slots_per_layer = 4, 4, 16
-        model_id = {"n_experts": 32, "digest": "model"}
-        draft_config: dict = {}
-        expert_counts: dict = {}
-        wide_gain = 1.0
-        seen: list = []
-
-        def __init__(self, work):
-            pass
-
-        def measure(self, s):
-            Runner.seen.append(s)
-            tps = (12.0 if s.cutoff and s.predictor == "spmoe" else 10.0) * (Runner.wide_gain if s.forecast_experts else 1.0)
-            return (Measurement(s, tps, 1.0, 0.0, 0.0, 0.5, 0.5),
-                    {"load_ms_per_expert": 0.5, "draft_ms_per_round": 20.0, "verify_ms_per_round": 10.0})
-
-    monkeypatch.setattr(tune_run, "SettingRunner", Runner)
-    chosen = {}
-    for gain in (1.0, 1.3):  # a tie, then clearly faster
-        Runner.wide_gain, Runner.seen = gain, []
-        out = tmp_path / f"t{gain}.json"
-        tune_run.run_tune(tmp_path, tmp_path, prompts, budget="50%", max_tokens=4, io_mode="buffered", threads=4,
-                          json_path=out, table=lambda rows, title: title)
-        wide = [s for s in Runner.seen if s.forecast_experts]
-        assert wide and all(s.forecast_experts == 8 and s.predictor == "spmoe" and s.cutoff for s in wide)
-        chosen[gain] = json.loads(out.read_text())["chosen"]
-    assert chosen[1.0]["forecast_experts"] == 0 and chosen[1.3]["forecast_experts"] == 8
 
 
 def test_choose_paired_keeps_the_simplest_unless_a_finalist_wins_every_round_beyond_chance():

@@ -27,19 +27,19 @@ def test_each_read_is_booked_to_the_window_tokens_that_routed_to_it():
     assert w.last_only == 3 and w.unrouted == 1
 
 
-def test_a_speculative_run_counts_its_verify_reads_and_feeding_the_last_draft_shrinks_its_share():
-    """The embedded pair at 50%: every verify demand read is booked, and with the last draft fed (its
-    experts forecast) fewer reads are the last draft's alone than without."""
+def test_a_speculative_run_counts_its_verify_reads_and_the_last_draft_is_a_large_share():
+    """The embedded pair at 50%: every verify demand read is booked, and the last draft (never fed to the drafter,
+    so no forecast names its experts) is a large share of them."""
     pair = embedded_pair()
     prompt = "The old steward walked the length of the hall and said to the king that the winter would be long."
     out = {}
-    for last in (False, True):
+    for last in (False,):
         om = OffloadedModel.load(pair.target, OffloadConfig(budget="50%"))
         try:
             dmodel, dconfig = load_drafter(pair.default_drafter, om)
             ids = list(om.tokenizer.encode(prompt))
             _, st, _ = run_speculative(om, pair.default_drafter, ids, max_tokens=32, num_draft=3, predictor="spmoe",
-                                       cutoff=None, draft_model=dmodel, draft_config=dconfig, forecast_last=last)
+                                       cutoff=None, draft_model=dmodel, draft_config=dconfig)
         finally:
             om.close()
         w = st.window_reads
@@ -48,7 +48,6 @@ def test_a_speculative_run_counts_its_verify_reads_and_feeding_the_last_draft_sh
         assert st.to_json()["window_reads"]["total"] == w.total
         out[last] = w.last_only / w.total
     assert out[False] > 0.25, out  # the drafter never fed d_K: its experts are a large share of the reads
-    assert out[True] < out[False], out
 
 
 def test_ranks_counts_sum_over_their_layers_of_the_same_windows():

@@ -15,19 +15,17 @@ Invariants:
   experts to read, runs expert-major (runtime/cache/expert_major.py): each unique expert
   read once, reads overlapping compute. Other calls too large for the slots would be
   split into token groups that each fit (split_by_capacity).
-- A normal call reads the router's choice back to the host (one sync per MoE layer); a
-  lookahead forecast of later layers, if attached, is evaluated in that same sync.
+- A normal call reads the router's choice back to the host (one sync per MoE layer).
 - Inside a device pass (runtime/decode/device_pass.py), a call whose tokens x k fit the
   layer's usable slots maps the router's ids through the cache's persistent device table
   (expert -> slot, or n_slots + expert when absent) on the device: no host sync, no Python
   per expert; an absent expert reads the last slot and is flagged (its code >= n_slots) for
   the pass to repair. A layer whose every expert sits in the slot numbered like it
   (cache.ids_are_slots, e.g. at a 100% budget) skips the table: its ids are its slots, baked
-  into the graph, so it does so only if the pass held the layer before building (device.build_held)
-  and keeps it held to the sync (not a staged forward, whose route syncs release its holds);
-  the pass holds the layer (no eviction, no trim) until it evaluated the forward. A lookahead attached
-  `in_pass` hands its forecast to the pass lazily (read back with the forward's one sync); a
-  prefetching one makes the pass keep the layer's synced call.
+  into the graph, so it does so only if the pass held the layer before building (device.build_held);
+  the pass holds the layer (no eviction, no trim) until it evaluated the forward. A layer the pass
+  routes (runtime/decode/window_routes.py) syncs its codes before its experts run and looks up again
+  when absent experts were read.
 - Calls of several tokens go through metal.window_switch_glu: the dedup kernel (each
   unique expert's weights read once per window) where it runs and is self-checked,
   else the stock SwitchGLU, as single tokens do.
@@ -71,7 +69,6 @@ class CachedSwitchGLU(nn.Module):
         self.cache = cache
         self.observer = observer  # if set: observer(layer, expert_ids (N, k)) on every call (the decoder's)
         self.telemetry = None  # if set: telemetry.on_call(layer, expert_ids (N, k), [CallStats per group])
-        self.lookahead = None  # if set: a LookaheadPrefetch (runtime/decode/lookahead_prefetch.py)
         # like: the stock expert module being replaced; the slab module runs its class (runtime/cache/slab_switch.py)
         self.switch = slab_switch_glu(layout, cache.slabs[layer], activation, like=like)
         # Plain attributes, not module state (nn.Module keeps lists and arrays in its dict, behind a slower
@@ -116,24 +113,18 @@ class CachedSwitchGLU(nn.Module):
 
     def lookup(self, x: mx.array, indices: mx.array, device=None) -> tuple[mx.array, mx.array]:
         """The call with slots looked up on the device: (output, codes: slot, or n_slots + expert if absent).
-        A routed pass (runtime/decode/route_sync.py) syncs the codes first and reads absent experts."""
-        if self.cache.ids_are_slots(self.layer) and (device is None or self.layer in device.build_held
-                                                     and not getattr(device, "route_staged", False)):
+        A routed layer (runtime/decode/window_routes.py) syncs the codes first and reads absent experts."""
+        if self.cache.ids_are_slots(self.layer) and (device is None or self.layer in device.build_held):
             # Every expert sits in the slot of its own number (the layer's slots hold it whole, warmed in order)
             # and the pass's hold, taken before this build, keeps it there: the ids are the slots, none absent; no
-            # gather, no clamp. The slot numbers are in the graph from now on: an unheld layer looks up instead, and
-            # so does a staged forward's (its route syncs release its holds around their reads while its later layers
-            # are built: a shrink may trim them then; a lookup that runs after flags what was trimmed).
+            # gather, no clamp. The slot numbers are in the graph from now on: an unheld layer looks up instead. (A
+            # route sync releases the holds only after everything built so far ran, and takes them again before the
+            # next layer is built.)
             codes = safe = indices
         else:
             codes = self._table[indices]
-            if device is not None and self.layer in device.route_layers:
-                ahead = device.route_ahead.forecast(self.layer, x) if device.ahead_on else None
-                if device.route_staged:
-                    device.stage(self.layer, indices, codes, ahead)
-                    codes = self._table[indices]  # a node of its own: it runs after this layer's route sync
-                elif device.route(self.layer, indices, codes, ahead):
-                    codes = self._table[indices]  # its absent experts were read: look up again
+            if device is not None and self.layer in device.route_layers and device.route(self.layer, indices, codes):
+                codes = self._table[indices]  # its absent experts were read: look up again
             safe = mx.minimum(codes, self._last_slot)  # absent: any slot; the pass recomputes then
         if indices.size > indices.shape[-1]:  # a window of several tokens
             return window_switch_glu(self._switch, x, safe), codes
@@ -146,17 +137,10 @@ class CachedSwitchGLU(nn.Module):
         if device is not None and self.layer in device.lookup_layers:
             out, slots = self.lookup(x, indices, device)
             device.record(self.layer, indices, slots)
-            if self.lookahead is not None:
-                device.record_ahead(self.layer, self.lookahead, self.lookahead.start(self.layer, x))
             return out
         self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
-        ahead = self.lookahead.start(self.layer, x) if self.lookahead is not None else None
-        if ahead:
-            mx.eval(indices, [top for _, top in ahead])  # the forecast of later layers rides on this sync
         ids = np.array(indices)  # host sync: which experts this call needs
         self.cache.host_syncs += 1
-        if self.lookahead is not None:
-            self.lookahead.finish(self.layer, ahead, ids)  # queues its prefetches before our demand reads
         if self.observer is not None and device is None:
             self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))
         k = ids.shape[-1]

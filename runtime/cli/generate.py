@@ -114,7 +114,6 @@ def register(app: typer.Typer) -> None:
         adaptive_k: bool = opt.adaptive_k_option(),
         predictor: str = opt.predictor_option(),
         cutoff: int = opt.cutoff_option(),
-        forecast_k: int = typer.Option(None, "--forecast-k", help="spmoe: experts forecast per window token per layer (k'; default: the width `specmoe tune` kept for this model, drafter, budget and machine, else the model's k; 2k covers more, reads more)."),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
         max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
         one_sync: str = eo.one_sync_option(),
@@ -123,16 +122,6 @@ def register(app: typer.Typer) -> None:
                                                         "tuning.json (`specmoe tune`) or a JSON of expert_counts (a full "
                                                         "budget always reads every expert first)."),
         policy: str = opt.policy_option(),
-        lookahead: int = typer.Option(None, "--lookahead", min=0,
-                                      help="Prefetch each MoE layer's experts forecast from the layer this many MoE layers "
-                                           "earlier, through its router (0: off; with --draft only for layers past the "
-                                           "cutoff; default: tuned, else off)."),
-        lookahead_experts: int = typer.Option(None, "--lookahead-experts", min=1,
-                                              help="Experts per token the lookahead takes (default the model's k)."),
-        slots_from_trace: Path = typer.Option(None, "--slots-from-trace",
-                                              help="Routing trace of this model (specmoe profile --trace): split the "
-                                                   "cache's slots over layers by their miss curves (same total)."),
-        route_ahead: str = opt.route_ahead_option(),
         io_mode: str = eo.io_mode_option(),
         threads: int = opt.threads_option(),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
@@ -166,16 +155,13 @@ def register(app: typer.Typer) -> None:
         eo.check_kv_bits(kv_bits, None)  # with --draft: SPECULATIVE_REFUSAL below
         if draft is not None and (prompt_cache_file is not None or kv_bits is not None):
             raise ValueError(SPECULATIVE_REFUSAL["--prompt-cache" if prompt_cache_file is not None else "--kv-bits"])
-        opt.check_route_ahead(route_ahead)
         if warm is not None and not warm.is_file():
             raise ValueError(f"--warm {warm}: no such file; expected a routing trace (.smtrace) or a JSON of expert_counts")
         engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,
                       threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
-                      projection=projection, forecast_k=forecast_k,
+                      projection=projection,
                       max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=eo.memory_limit_value(memory_limit),
-                      lookahead=lookahead, lookahead_experts=lookahead_experts, slot_trace=slots_from_trace,
-                      route_ahead=route_ahead)
+                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=eo.memory_limit_value(memory_limit))
         with engine:
             om = engine.model
             for note in engine.notes:
@@ -216,14 +202,6 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"wrote prompt cache {prompt_cache_file} ({len(pc.tokens)} tokens)", highlight=False)
             if engine.draft is not None and low_acceptance_note(stats):
                 err_console.print(low_acceptance_note(stats), highlight=False)
-            if om.lookahead is not None:
-                la = om.lookahead.stats
-                err_console.print("lookahead: recall " + ", ".join(f"{s.recall:.0%} at {j} layer(s) ahead"
-                                                                  for j, s in la.by_distance.items())
-                                  + f", {la.queued_bytes / 1e6:.2f} MB queued"
-                                  + (f", prefetch switched off for {la.gated_off} forecasts" if la.gated_off else ""),
-                                  highlight=False)
-                result["lookahead"] = la.to_json()
             if json_path:
                 result.update(tokens=tokens, text=om.tokenizer.decode(tokens))
                 if om.governor is not None:

@@ -125,23 +125,6 @@ def policy_option():
                                                "(default: tuned, else dlfu).")
 
 
-def route_ahead_option():
-    return typer.Option(None, "--route-ahead",
-                        help="Decode steps that sync layer by layer (frequent misses) also prefetch the next two "
-                             "layers' forecast experts at each layer's sync: off, on, or auto (on while reads take "
-                             ">= 0.25 ms each, as from an SSD; default: tuned, else off). Within the noise on a 2-core "
-                             "CPU; for slow disks.")
-
-
-def check_route_ahead(value: str | None) -> str | None:
-    """The --route-ahead value (None: not given), or ValueError naming the flag and what it takes."""
-    from runtime.decode import ROUTE_AHEAD_MODES  # here, not at import: `--help` starts without MLX
-
-    if value is not None and value not in ROUTE_AHEAD_MODES:
-        raise ValueError(f"--route-ahead {value!r}; expected one of {', '.join(ROUTE_AHEAD_MODES)}")
-    return value
-
-
 def adaptive_k_option():
     return typer.Option(True, "--adaptive-k/--fixed-k",
                         help="Lower K round by round while drafts are rejected, down to plain decoding (K=0) with "

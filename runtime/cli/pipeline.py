@@ -42,7 +42,7 @@ def pipeline_run(opts: dict):
                           verify_checksums=opts["verify"], split=tuple(split) if split else None,
                           routers=opts["draft"] is not None and (predictor or "spmoe") == "spmoe",
                           one_sync=opts.get("one_sync", "auto") != "off",
-                          route_windows=opts["draft"] is not None and opts.get("one_sync", "auto") == "auto"),
+                          route_windows=opts.get("one_sync", "auto") == "auto"),
         adaptive_k=opts["adaptive_k"], timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"],
         json_path=opts["json_path"])
 

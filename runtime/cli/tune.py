@@ -19,15 +19,13 @@ _IO_HELP = "buffered (page cache) or direct (O_DIRECT/F_NOCACHE)."
 
 def _measure_table(rows, title: str) -> Table:
     t = Table(title=title)
-    for col in ["cutoff L", "predictor", "K", "policy", "lookahead j/m", "route-ahead", "forecast/token", "tok/s", "min-max (passes)", "misses/tok", "prefetch used MB",
+    for col in ["cutoff L", "predictor", "K", "policy", "tok/s", "min-max (passes)", "misses/tok", "prefetch used MB",
                 "wasted MB", "recall", "accept"]:
         t.add_column(col, justify="right")
     for m in rows:
         s = m.setting
         spread = f"{m.tokens_per_s_min:.2f}-{m.tokens_per_s_max:.2f} ({m.n_passes})" if m.n_passes > 1 else "- (1)"
-        ahead = f"{s.lookahead}/{s.lookahead_experts or 'k'}" if s.lookahead else "off"
-        t.add_row(str(s.cutoff), s.predictor, str(s.num_draft), s.policy, ahead, "on" if s.route_ahead else "off",
-                  str(s.forecast_experts or "k"), f"{m.tokens_per_s:.2f}", spread,
+        t.add_row(str(s.cutoff), s.predictor, str(s.num_draft), s.policy, f"{m.tokens_per_s:.2f}", spread,
                   f"{m.misses_per_token:.2f}",
                   f"{m.prefetch_used_mb:.2f}", f"{m.prefetch_wasted_mb:.2f}", f"{m.recall:.2f}", f"{m.acceptance:.0%}")
     return t
@@ -198,7 +196,7 @@ def register(app: typer.Typer) -> None:
         inject: str = typer.Option(None, "--inject", hidden=True,
                                    help="Debug: inject disk latency/faults in every run (spec: storage/faults.py)."),
     ):
-        """Pick cutoff, predictor, K, cache policy and the router lookahead by measurement; write tuning.json
+        """Pick cutoff, predictor, K and cache policy by measurement; write tuning.json
         next to the model."""
         from runtime.tune import run_tune
 

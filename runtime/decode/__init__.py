@@ -21,14 +21,13 @@ from runtime.decode.offloaded_step import offloaded_generate_step
 from runtime.decode.pairing import default_projection_path, load_drafter, make_drafter
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.prompt_cache import PromptCache, common_prefix
-from runtime.decode.plain import GenerationStats, encode_prompt, generate_tokens, stream_tokens
+from runtime.decode.plain import GenerationStats, encode_prompt, generate_tokens, holds_every_expert, stream_tokens
 from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, probabilities, sample
 from runtime.decode.draft_length import DraftLength
 from runtime.decode.speculative import SpecConfig, SpecStats, SpeculativeDecoder
 from runtime.decode.speculative_run import release_drafter, run_speculative, speculative_decoder
 from runtime.decode.taps import HiddenTaps
 from runtime.decode.layer_replay import LayerReplay
-from runtime.decode.route_ahead import ROUTE_AHEAD_MODES, RouteAhead
 from runtime.decode.window_reads import WindowReads
 
 __all__ = [
@@ -37,8 +36,8 @@ __all__ = [
     "describe_expert_module", "find_expert_modules", "lazy_structure", "match_expert_modules",
     "DraftResult", "Drafter", "ModelDrafter", "check_supported", "text_config", "top_k", "OffloadConfig",
     "OffloadedModel", "DevicePass", "PassStats", "offloaded_generate_step", "default_projection_path", "load_drafter",
-    "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens",
+    "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens", "holds_every_expert",
     "SpecConfig", "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter",
     "stream_tokens", "HiddenTaps", "Sampling", "accept_greedy", "accept_sampled", "probabilities", "sample", "DraftLength",
-    "LayerReplay", "ROUTE_AHEAD_MODES", "RouteAhead", "WindowReads",
+    "LayerReplay", "WindowReads",
 ]

@@ -2,8 +2,7 @@
 
 Protocol (a seam for other drafters, e.g. an MTP head): prefill(ids) feeds the
 context; propose(k, ...) consumes the pending tokens and returns K proposals plus
-the taps of the verify window's tokens it fed (all but d_K, unless feed_last also
-feeds d_K within the round); settle(n_accepted, next_token) makes
+the taps of the verify window's tokens it fed (all but d_K); settle(n_accepted, next_token) makes
 the drafter's state match the accepted prefix and queues next_token.
 
 Proposals are pipelined as mlx-lm's own draft loop is: step i+1 is built on step i's lazy
@@ -65,14 +64,12 @@ def drawn_from(cumulative: np.ndarray) -> np.ndarray:
 
 
 class ModelDrafter:
-    def __init__(self, model, *, taps: bool = True, feed_last: bool = False):
+    def __init__(self, model, *, taps: bool = True):
         self.model = model
         self.cache = make_prompt_cache(model)
         self.taps = HiddenTaps(model) if taps else None
-        self.feed_last = feed_last  # also feed d_K within the round, so the whole verify window has taps
         self.pending: list[int] = []
         self._k = 0
-        self._fed_last = False
 
     def prefill(self, ids: list[int]) -> None:
         """Feed all of `ids` but the last, which becomes the pending input of round one."""
@@ -118,17 +115,10 @@ class ModelDrafter:
                 taps.ready = i  # step i is queued behind the states on_step may read
                 on_step(taps)
             feed = best[-1].reshape(1, 1)
-        if self.feed_last:  # d_K's states: queued before the host forecasts the drafts before it
-            logits = self._step(feed, taps)
-            mx.async_eval(taps.residual[-1:], taps.attention[-1:], [] if self.taps else logits)
-            if on_step:
-                taps.ready = k
-                on_step(taps)
         taps.ready = None
         if on_step:
             on_step(taps)
         tokens = mx.stack(best).tolist()  # the round's one read of its tokens
-        self._fed_last = self.feed_last
         self._k = k
         self._last_draft = tokens[-1]
         self.pending = []
@@ -140,13 +130,13 @@ class ModelDrafter:
         self.pending.append(token)
 
     def settle(self, n_accepted: int, next_token: int) -> None:
-        # The cache holds the window up to d_K (feed_last) or d_{K-1}; keep up to d_n.
-        held = self._k if self._fed_last else self._k - 1
+        # The cache holds the window up to d_{K-1} (d_K was never fed); keep up to d_n.
+        held = self._k - 1
         if n_accepted < held:
             for c in self.cache:
                 c.trim(held - n_accepted)
             self.pending = [next_token]
         elif n_accepted == held:
             self.pending = [next_token]
-        else:  # every draft accepted without feed_last: d_K was never fed
+        else:  # every draft accepted: d_K was never fed
             self.pending = [self._last_draft, next_token]

@@ -29,7 +29,6 @@ from runtime.cache import CachedSwitchGLU
 from runtime.cache import ExpertCache
 from runtime.decode.families import check_supported, top_k
 from runtime.decode.layer_replay import LayerReplay
-from runtime.decode.route_ahead import ROUTE_AHEAD_MODES
 from runtime.decode.moe_blocks import block_info, match_expert_modules
 from runtime.cache import GovernorConfig, MemoryGovernor
 from runtime.cache import DEFAULT_PREFILL_STEP, ContextGovernor, apply_memory_limit, process_rss, rss_peak_since_last
@@ -58,11 +57,6 @@ class OffloadConfig:
     inject: str = ""  # debug only: storage.faults spec of disk faults to inject ("": none)
     memory_limit: str | None = None  # --memory-limit: cap on the whole process ("auto", "12GB"); None: none
     drafter_bytes: int = 0  # the drafter's weights, counted against the memory limit
-    slot_trace: Path | None = None  # a routing trace of this model: split the budget's slots by miss curves
-    # Routed forwards' route syncs also prefetch the next layers' forecast experts: "auto" (while reads are
-    # slow), "on" or "off" (runtime/decode/route_ahead.py). Off by default: within the noise on this CPU
-    # (bench/results/route_ahead.txt), and "auto" would make what a run reads depend on the machine's load.
-    route_ahead: str = "off"
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -75,21 +69,6 @@ def get_module(root: nn.Module, path: str) -> nn.Module:
 def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(get_module(root, parent), leaf, module)
-
-
-def _split_slots(plan: BudgetPlan, trace_path: Path, minimum: int, expert_bytes: dict[int, int]) -> BudgetPlan:
-    """The plan with its slots re-split over layers by the trace's miss curves (same total)."""
-    from dataclasses import replace
-
-    from runtime.observe import RoutingTrace
-    from runtime.cache import split_by_miss_curves
-
-    trace = RoutingTrace.load(trace_path)
-    slots = split_by_miss_curves(trace, plan.slots, minimum)
-    used = sum(slots[l] * expert_bytes[l] for l in slots)
-    if used > plan.budget_bytes:  # layers of different expert sizes: never exceed the budget
-        return plan
-    return replace(plan, slots=slots)
 
 
 class OffloadedModel:
@@ -111,29 +90,17 @@ class OffloadedModel:
         self.memory_limit = None  # the MemoryLimit of --memory-limit (None: no limit)
         self.context_governor = None  # gives back expert slots as the KV grows under the limit (None: no limit)
         self.prefill_step = DEFAULT_PREFILL_STEP  # prompt tokens per prefill chunk (smaller only when the limit needs it)
-        self.lookahead = None  # the attached LookaheadPrefetch (set_lookahead), if any
-        # Plain decoding's recent repairs per forward, carried from one generation to the next (segment_repair.py)
-        self.decode_repair_rate = 0.0
-        # ... and each MoE layer's recent miss rate, which decides the layers that sync before their experts (route_sync.py)
-        self.decode_layer_miss = None
-        self.decode_repair_extra = None
-        # ... and verify windows' own per-layer miss rates (route_sync.py: windows of several tokens miss differently)
+        # Verify windows' per-layer miss rates, carried from one generation to the next (window_routes.py)
         self.verify_layer_miss = None
-        self.route_ahead = "off"  # OffloadConfig.route_ahead: device passes' default (runtime/decode/route_ahead.py)
         for m in modules.values():
             m.telemetry = telemetry
         # Device passes (runtime/decode/device_pass.py) recompute from a decoder layer after a miss.
         self.decoder_index = self._decoder_index()  # MoE layer -> index in model.layers (= prompt cache index)
         self.replay = LayerReplay(model.layers)
-        # Called with {MoE layer: expert ids (tokens, k)} after each accepted device-pass forward, when no
-        # forward is pending (a lookahead forecaster queues prefetches there; runtime/decode/device_pass.py).
-        self.forward_hooks: list = []
 
     @classmethod
     def load(cls, path: str | Path, cfg: OffloadConfig = OffloadConfig()) -> "OffloadedModel":
         faults = parse_faults(cfg.inject) if cfg.inject else None  # a bad spec is refused before anything opens
-        if cfg.route_ahead not in ROUTE_AHEAD_MODES:
-            raise ValueError(f"route_ahead={cfg.route_ahead!r}; expected one of {', '.join(ROUTE_AHEAD_MODES)}")
         baseline = process_rss()  # the process before the model: counted against --memory-limit
         store = ExpertStore.open(path, io_mode=cfg.io_mode)
         check_supported(store.config, Path(path) / "config.json")
@@ -158,13 +125,6 @@ class OffloadedModel:
             except BaseException:
                 store.close()
                 raise
-        if cfg.slot_trace is not None:
-            try:
-                plan = _split_slots(plan, cfg.slot_trace, top_k(store.config),
-                                    {l: lay.expert_bytes for l, lay in layouts.items()})
-            except BaseException:
-                store.close()
-                raise
         reader = FaultyReader(RangeReader(cfg.io_mode), faults, store) if faults else None
         loader = AsyncLoader(store, LoaderConfig(threads=cfg.threads, io_mode=cfg.io_mode, verify_checksums=cfg.verify_checksums),
                              reader=reader)
@@ -183,7 +143,6 @@ class OffloadedModel:
         governor = MemoryGovernor(cache, cfg.governor).start() if cfg.governor is not None else None
         om = cls(model, tokenizer, config, store, loader, cache, plan, modules, telemetry, governor)
         om.prefill_step = step
-        om.route_ahead = cfg.route_ahead
         if limit is not None:
             limit = limit.remeasured(process_rss(), store.resident_bytes + cache.nbytes)
             om.memory_limit = limit
@@ -266,28 +225,6 @@ class OffloadedModel:
         for m in self.modules.values():
             m.release()
         self.cache.empty()
-
-    def set_lookahead(self, distance: int | None, per_token: int | None = None, *, targets=None,
-                      queue: bool = True, distances: tuple[int, ...] | None = None, min_prob: float | None = None,
-                      in_pass: bool = False):
-        """Forecast each MoE layer's experts from the layer `distance` MoE layers before it (its input
-        through the later layers' routers) and prefetch them; `per_token` experts per token (default
-        top-k) whose router probability is at least `min_prob` (None: 3 / n_experts; 0: all of them); only
-        `targets` layers if given; queue=False only scores (recall by distance); in_pass: in one-sync device
-        passes, fold the forecast into the pass (no host sync of its own, no prefetch) instead of keeping a
-        synced call per source layer. None or 0 detaches it.
-        Returns the LookaheadPrefetch (its .stats) or None."""
-        from predictor.lookahead import RouterLookahead
-        from runtime.decode.lookahead_prefetch import LookaheadPrefetch
-
-        hook = None
-        if distance or distances:
-            la = RouterLookahead(self.routers(), distances or (distance,), per_token or self.top_k, targets, min_prob)
-            hook = LookaheadPrefetch(self.cache, la, self.moe_layers[0], queue=queue, in_pass=in_pass)
-        for m in self.modules.values():
-            m.lookahead = hook
-        self.lookahead = hook
-        return hook
 
     def set_observer(self, observer) -> None:
         """Call observer(layer, expert_ids (tokens, k)) on every MoE call; None to stop."""

@@ -5,8 +5,7 @@ path), same step (logits of the last position, log-softmax, sampler), same token
 step is a DevicePass forward: the lookups happen on the device and the host syncs once, when the
 token is read back, unless an expert was absent (then the pass repairs from the first layer that
 missed). Pipelining as mlx-lm's: forward n+1 is built on token n's lazy output and queued
-(mx.async_eval) before token n's sync while repairs are rare (runtime/decode/next_forward.py; else
-right after that sync), and the host bookkeeping of token n (recency, stats, observer, telemetry)
+(mx.async_eval) before token n's sync (runtime/decode/next_forward.py), and the host bookkeeping of token n (recency, stats, observer, telemetry)
 runs while forward n+1 computes.
 
 Invariant: the yielded tokens equal generate_step's on the resident model (greedy); a forward
@@ -77,17 +76,15 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
         while n < max_tokens:
             # Queued before this token's bookkeeping and yield; as generate_step, also after the last
             # token (its routing completes the sequence's trace).
-            # The first decode forward is built before token 1 is counted (a prefill's stats end there): no segment
-            # repairs (reads) while it is built; its repairs come at its sync, after the yield, as without segments.
             if not dp.pending:  # else: built early on this token's lazy output, and this token stood
-                dp.launch(step(token), cache, 1, segments=n > 0)
+                dp.launch(step(token), cache, 1)
             dp.flush(defer=n > 0)  # the first forward's record is booked before its token is counted
             yield token.item(), logprobs
             n += 1
             if n % 256 == 0:
                 mx.clear_cache()
-            # As generate_step: the forward after this one is queued before this one's sync (when a repair is
-            # unlikely: runtime/decode/next_forward.py) -- but not the build that quantizes the KV (--kv-bits): were
+            # As generate_step: the forward after this one is queued before this one's sync
+            # (runtime/decode/next_forward.py) -- but not the build that quantizes the KV (--kv-bits): were
             # it dropped, this forward's repair would read quantized keys stock read unquantized.
             if n < max_tokens and not quantizes_next(cache):
                 dp.launch_next(lambda out: step(out[0]))

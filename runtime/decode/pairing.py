@@ -70,16 +70,12 @@ def load_drafter(draft_dir: Path, target) -> tuple[object, dict]:
 
 
 def build_predictor(name: str, target, draft_model, draft_config: dict, *, projection: Path | None = None,
-                    recording=None, limit: int | None = None, forecast_k: int | None = None):
+                    recording=None, limit: int | None = None):
     """The named predictor for this target/drafter pair.
 
-    forecast_k: experts spmoe takes per window token (k'; default the target's k);
     limit: experts forecast per layer per round at most (default: spmoe the whole union of
-    its per-token top-k', the others 2k)."""
+    its per-token top-k, the others 2k)."""
     routers = lm = proj = None
-    n_experts = target.store.layout(target.moe_layers[0]).n_experts
-    if forecast_k is not None and not 1 <= forecast_k <= n_experts:
-        raise ValueError(f"--forecast-k {forecast_k}; expected 1..{n_experts} (experts per layer)")
     if name == "spmoe":
         lm = layer_map(len(target.model.layers), len(draft_model.layers))
         t_width = text_config(target.config)["hidden_size"]
@@ -97,16 +93,13 @@ def build_predictor(name: str, target, draft_model, draft_config: dict, *, proje
                 f"run `specmoe calibrate --model {target.store.model_dir} --draft DIR`"
             )
         routers = target.routers()
-    return make_predictor(name, top_k=forecast_k or target.top_k, routers=routers, layer_map=lm, projections=proj,
+    return make_predictor(name, top_k=target.top_k, routers=routers, layer_map=lm, projections=proj,
                           recording=recording,
                           limit=limit or (None if name == "spmoe" else 2 * target.top_k))
 
 
-def make_drafter(draft_model, predictor_name: str, forecast_last: bool = False) -> ModelDrafter:
-    """The drafter of a round; taps only when the predictor reads the drafter's hidden states (spmoe).
-    forecast_last: also feed the last draft d_K within its round, for the taps of the window's last token. Off by
-    default: that is one more drafter forward and forecast per round (wasted when d_K is rejected) for one
-    token's experts; on the embedded pair at 50% it cut ~1.7 of ~5.7 verify reads per round and cost more drafting
-    time than their waits even at +2 ms per read, emulated (bench/results/hotpath_speculative_*.txt)."""
-    uses_taps = predictor_name == "spmoe"
-    return ModelDrafter(draft_model, taps=uses_taps, feed_last=uses_taps and forecast_last)
+def make_drafter(draft_model, predictor_name: str) -> ModelDrafter:
+    """The drafter of a round; taps only when the predictor reads the drafter's hidden states (spmoe). The last
+    draft d_K is not fed within its round: feeding it for the forecast of the window's last token cost more
+    drafting than the reads it saved took to wait (bench/results/hotpath_speculative_2ms.txt, spmoe+last)."""
+    return ModelDrafter(draft_model, taps=predictor_name == "spmoe")

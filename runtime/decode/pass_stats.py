@@ -1,7 +1,7 @@
 """PassStats: what a DevicePass (runtime/decode/device_pass.py) counts, for --json, benches and tests.
 
 Invariants: counters only grow; host_syncs counts every host sync the pass's forwards made (1 per forward,
-plus repairs, segment boundaries, route syncs and synced layer calls).
+plus repairs, route syncs and synced layer calls).
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ from dataclasses import asdict, dataclass
 @dataclass
 class PassStats:
     passes: int = 0  # forwards run through the pass
-    host_syncs: int = 0  # host syncs those forwards made (1 + repairs + boundary and route syncs + synced calls)
-    repairs: int = 0  # recomputations after absent experts (of a whole forward's tail, or of one segment)
-    boundary_syncs: int = 0  # host syncs at segment boundaries (runtime/decode/segment_repair.py)
-    boundary_repairs: int = 0  # of the repairs, those made at a boundary (inside the forward)
-    boundary_recomputed: int = 0  # decoder layers those recomputed
+    host_syncs: int = 0  # host syncs those forwards made (1 + repairs + route syncs + synced calls)
+    repairs: int = 0  # recomputations after absent experts, from the first layer that missed
     multi_sync: int = 0  # passes that needed more than one host sync
     repair_reads: int = 0  # experts read by repairs
     wasted_reads: int = 0  # of those, experts the accepted forward did not use
@@ -25,11 +22,9 @@ class PassStats:
     bookkeeping_s: float = 0.0  # host time in flush() (recency, stats, observer, telemetry)
     next_built: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
     next_dropped: int = 0  # of those, dropped because the previous forward needed a repair
-    routed: int = 0  # forwards whose layers synced their routing before their experts (route_sync.py)
-    route_syncs: int = 0  # host syncs those made (one per MoE layer)
+    routed: int = 0  # windows whose layers synced their routing before their experts (window_routes.py)
+    route_syncs: int = 0  # host syncs those made (one per routed MoE layer)
     route_reads: int = 0  # experts they read before the layer that needed them ran
-    ahead_prefetched: int = 0  # experts their route syncs queued for later layers (runtime/decode/route_ahead.py)
-    paced_layers: int = 0  # next-forward layers built between a staged forward's route syncs (paced_build.py)
 
     def to_json(self) -> dict:
         return asdict(self)

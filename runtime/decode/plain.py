@@ -1,18 +1,24 @@
 """Plain (non-speculative) generation on an OffloadedModel, with the stats we report.
 
-The decode loop is offloaded_generate_step: mlx-lm's generate_step (step n+1 queued with
-`async_eval` before token n is yielded) with each step a DevicePass forward -- expert lookups
-on the device, one host sync per token, repaired from the first layer that missed when an
-expert was absent. `one_sync="off"` runs mlx-lm's own generate_step on the synced path (one
-host sync per MoE layer) instead. Before the prefill the cache is warmed (runtime/decode/warm.py). Prefill
-and decode are reported separately because prefill misses say nothing about
-steady-state paging.
+What the default (`one_sync="auto"`) runs, decided when the generation starts:
+- the budget holds every expert of every MoE layer (usable slots >= experts): offloaded_generate_step, mlx-lm's
+  generate_step (step n+1 queued with `async_eval` before token n is yielded) with each step a DevicePass forward --
+  expert lookups on the device, one host sync per token as stock, repaired from the first layer that missed if the
+  memory governor took an expert away meanwhile;
+- otherwise: mlx-lm's own generate_step over the paged model, each MoE layer reading its routing back (one host sync
+  per MoE layer and one for the token) and reading what is absent before its experts run.
+Below a full budget the per-layer sync measured faster than the device pass with its route syncs and repairs, and
+no slower than a plain greedy loop over the paged model (bench/results/decode_defaults.txt). `one_sync="on"`
+(device passes at any budget: one sync per token plus one per repair) and "off" (the per-layer sync at any budget)
+are kept for the comparison benches and the tests that drive repairs. `GenerationStats.decode_path` says which
+ran, `host_syncs_per_token` what it cost. Before the prefill the cache is warmed (runtime/decode/warm.py). Prefill
+and decode are reported separately because prefill misses say nothing about steady-state paging.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Generator
 
 import mlx.core as mx
@@ -43,7 +49,7 @@ class GenerationStats:
     peak_memory_bytes: int  # MLX allocator peak during the run
     one_sync_tries: int = 0  # forwards run as device passes (runtime/decode/device_pass.py)
     one_sync_fallbacks: int = 0  # of those, forwards that needed more than one host sync (a repair)
-    host_syncs_per_token: float = 0.0  # decode: host syncs per generated token (1.0: stock mlx-lm's)
+    host_syncs_per_token: float = 0.0  # decode: host syncs per generated token, the token's own included (stock: 1.0)
     repairs_per_token: float = 0.0  # decode: recomputations after absent experts per generated token
     wasted_reads: int = 0  # experts read by repairs that the repaired forward did not use
     bookkeeping_us_per_layer_call: float = 0.0  # host bookkeeping per MoE layer call (off the critical path)
@@ -52,9 +58,7 @@ class GenerationStats:
     prefetch_used_per_token: float = 0.0  # decode: of those, used by a call
     prefetch_wasted_per_token: float = 0.0  # decode: prefetched experts evicted unused
     early_forwards: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
-    routed_forwards: int = 0  # forwards that synced some MoE layers' routing before their experts (route_sync.py)
-    route_syncs_per_token: float = 0.0  # decode: those syncs (one per routed layer) per generated token
-    routed_layers: list = field(default_factory=list)  # MoE layers whose miss rates route them at the end
+    decode_path: str = ""  # "device pass" (one sync a token + repairs) or "per-layer sync" (one per MoE layer + 1)
 
     def line(self) -> str:
         return (f"{self.tokens_per_s:.1f} tok/s | hit rate {self.hit_rate:.1%} | "
@@ -73,7 +77,6 @@ def _counters(om, dp=None) -> dict:
                                               "prefetch_loaded": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
     c["host_syncs"] = om.cache.host_syncs if om is not None else 0
     c["repairs"] = dp.stats.repairs if dp is not None else 0
-    c["route_syncs"] = dp.stats.route_syncs if dp is not None else 0
     return c
 
 
@@ -103,10 +106,10 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
                   warm: str | None = None) -> Generator[int, None, GenerationStats]:
     """Yield up to `max_tokens` token ids after `prompt_ids`; the generator returns the run's stats.
 
-    `om` (an OffloadedModel) supplies paging counters and, unless one_sync is "off", its decode steps
-    run as device passes (one host sync per token, repaired when an expert was absent; "on" keeps it so,
-    "auto" also syncs before the experts of each layer whose recent misses make that pay, so a miss there costs
-    its read and no recompute: runtime/decode/route_sync.py). Before the prefill the cache is warmed: every expert when the budget holds them all,
+    `om` (an OffloadedModel) supplies paging counters; its decode steps run as device passes (one host sync per
+    token, repaired when an expert was absent) when one_sync is "on", or "auto" and the budget holds every expert;
+    else through mlx-lm's generate_step on the per-layer synced path (the module docstring). Before the prefill the
+    cache is warmed: every expert when the budget holds them all,
     else the most used per `warm` (a routing trace or expert counts); decoding starts once those reads
     are in.
     `sampler` (mlx-lm's make_sampler) overrides temp/top_p. `progress` (a PrefillProgress) shows the
@@ -125,8 +128,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     sampler = sampler or make_sampler(temp=temp, top_p=top_p)
     kv_options = {"kv_bits": kv_bits} if kv_bits else {}
     forward = model  # prefill chunks run here (a prompt cache prefills itself)
-    dp = DevicePass(om, segment="auto" if one_sync == "auto" else None) if om is not None and one_sync != "off" \
-        else None
+    device = om is not None and (one_sync == "on" or one_sync == "auto" and holds_every_expert(om))
+    dp = DevicePass(om) if device else None
     mx.reset_peak_memory()
     c0 = _counters(om)
     t0 = time.perf_counter()
@@ -163,6 +166,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
             steps = decode(mx.array([last]), prompt_cache.cache)
         for token, _ in steps:
             token = int(token)
+            if dp is None and om is not None:
+                om.cache.host_syncs += 1  # generate_step read the token back (a device pass counts its own sync)
             if t_first is None:
                 t_first, c1 = time.perf_counter(), _counters(om, dp)
                 prefill = meter.stop()
@@ -171,8 +176,7 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
             if limit is not None and (len(tokens) == 1 or len(tokens) % 32 == 0):
                 limit.observe(kv, len(prompt_ids) + len(tokens), len(prompt_ids) + len(tokens) + 32, chunk=1)
             # syncs and repairs up to this token (the step generate_step computes after the last one is not a decoded token)
-            at_last = (om.cache.host_syncs, dp.stats.repairs if dp else 0, dp.stats.route_syncs if dp else 0) \
-                if om is not None else (0, 0, 0)
+            at_last = (om.cache.host_syncs, dp.stats.repairs if dp else 0) if om is not None else (0, 0)
             yield token
             if token in eos_ids:
                 break
@@ -184,6 +188,10 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         if dp is not None and steps is not None:
             steps.close()  # an early stop leaves the next forward queued: finish (repair) and book it
             dp.flush()
+        elif om is not None and steps is not None:
+            steps.close()
+            for m in om.modules.values():  # the per-layer path's last calls: evaluated, their slots unpinned
+                m.release_pending()
         if prefill is None:
             meter.stop()  # restores the modules' observers
         if prompt_cache is not None:
@@ -210,6 +218,7 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         peak_memory_bytes=mx.get_peak_memory(),
         one_sync_tries=dp.stats.passes if dp else 0,
         one_sync_fallbacks=dp.stats.multi_sync if dp else 0,
+        # A device pass counts its token's sync; the per-layer path reads the token back once more (generate_step)
         host_syncs_per_token=(at_last[0] - c1["host_syncs"]) / n_decode if n_decode else 0.0,
         repairs_per_token=(at_last[1] - c1["repairs"]) / n_decode if n_decode else 0.0,
         wasted_reads=dp.stats.wasted_reads if dp else 0,
@@ -219,10 +228,14 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
         prefetch_used_per_token=(c2["prefetch_hits"] - c1["prefetch_hits"]) / n_decode if n_decode else 0.0,
         prefetch_wasted_per_token=(c2["prefetch_wasted"] - c1["prefetch_wasted"]) / n_decode if n_decode else 0.0,
         early_forwards=dp.stats.next_built - dp.stats.next_dropped if dp else 0,
-        routed_forwards=dp.stats.routed if dp else 0,
-        route_syncs_per_token=(at_last[2] - c1["route_syncs"]) / n_decode if n_decode else 0.0,
-        routed_layers=dp.routed_layers_now() if dp else [],
+        decode_path="device pass" if dp else ("per-layer sync" if om is not None else ""),
     )
+
+
+def holds_every_expert(om) -> bool:
+    """Whether every MoE layer's usable slots can hold all of its experts (a full budget, the governor not shrinking)."""
+    usable = om.cache.usable_now()
+    return all(usable[l] >= om.cache.layouts[l].n_experts for l in om.moe_layers)
 
 
 def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:

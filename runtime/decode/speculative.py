@@ -71,7 +71,7 @@ class SpecConfig:
     # routed) or on (never routed); off: one sync per layer
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
     route: str = "auto"  # auto (with one_sync auto): a window's layers whose misses make it pay sync before their
-    # experts (runtime/decode/route_sync.py); off: never
+    # experts (runtime/decode/window_routes.py); off: never
 
     def __post_init__(self):
         if self.num_draft < 1:
@@ -167,11 +167,9 @@ class SpeculativeDecoder:
         self._queued: set[ExpertKey] = set()
         self._queued_ids: dict[int, set[int]] = {}  # the same, per layer: expert ids
         self._round_bytes = 0
-        # No segment repairs for verify windows: a window the forecast covered syncs once (segments would cut
-        # every window once a few repairs raised the rate; runtime/decode/segment_repair.py).
         self._pass = DevicePass(target) if cfg.one_sync != "off" else None
         self._route = cfg.route == "auto" and cfg.one_sync == "auto"  # "on": one sync and repairs, never routed
-        if self._pass is not None:  # layers whose windows keep missing sync before their experts (route_sync.py)
+        if self._pass is not None:  # layers whose windows keep missing sync before their experts (window_routes.py)
             self._pass.route_windows = self._route
         self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
 
@@ -230,7 +228,7 @@ class SpeculativeDecoder:
             return forward()
         before = (self._pass.stats.host_syncs, self._pass.stats.repairs, self._pass.stats.multi_sync)
         if count:
-            # Layers whose windows keep missing sync their codes before their experts run (route_sync.py's rule on
+            # Layers whose windows keep missing sync their codes before their experts run (window_routes.py's rule on
             # the windows' own miss rates): a miss there costs its read, no recompute. A window the forecast
             # usually covers keeps its one sync.
             routes = self._pass.window_routes()

@@ -19,18 +19,12 @@ from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
 def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_tokens: int, num_draft: int, predictor: str,
                         cutoff: int | None, projection: Path | None = None, temp: float = 0.0, top_p: float = 1.0,
                         top_k: int = 0, min_p: float = 0.0, seed: int = 0, eos_ids=(), max_prefetch_bytes: int | None = None, draft_model=None,
-                        draft_config=None, one_sync: str = "auto", forecast_k: int | None = None,
-                        forecast_limit: int | None = None, adaptive_k: bool = True, lookahead: int = 0,
-                        lookahead_experts: int | None = None, warm: str | None = None,
-                        route: str = "auto", forecast_last: bool = False) -> SpeculativeDecoder:
+                        draft_config=None, one_sync: str = "auto", forecast_limit: int | None = None,
+                        adaptive_k: bool = True, warm: str | None = None, route: str = "auto") -> SpeculativeDecoder:
     """A SpeculativeDecoder for `om` and the drafter in `draft_dir` (or `draft_model`), ready to stream.
 
     `ids` and `max_tokens` are needed only by the oracle, which records the same run first.
-    Call `release_decoder(decoder)` when done: it removes the drafter's taps.
-    `lookahead` > 0: the layers past the cutoff (those spmoe does not prefetch for while the drafter
-    runs) get the router lookahead during verify, `lookahead` MoE layers ahead, `lookahead_experts`
-    per token (default the target's k); 0 detaches any lookahead. `forecast_last`: the drafter also feeds its last
-    draft within the round, for the forecast of the window's last token (pairing.make_drafter)."""
+    Call `release_decoder(decoder)` when done: it removes the drafter's taps."""
     if draft_model is None:
         draft_model, draft_config = load_drafter(draft_dir, om)
     cfg = SpecConfig(num_draft=num_draft, cutoff=cutoff, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -47,13 +41,10 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
         recording = recorder.rounds
         om.empty_cache()  # the measured run must start as cold as every other variant
     pred = build_predictor(predictor, om, draft_model, draft_config, projection=projection, recording=recording,
-                           limit=forecast_limit, forecast_k=forecast_k)
-    drafter = make_drafter(draft_model, predictor if cutoff != 0 else "none", forecast_last)
+                           limit=forecast_limit)
+    drafter = make_drafter(draft_model, predictor if cutoff != 0 else "none")
     try:
-        decoder = SpeculativeDecoder(om, drafter, pred, cfg)
-        rest = set(om.moe_layers) - set(decoder.prefetch_layers)
-        om.set_lookahead(lookahead if rest else 0, lookahead_experts, targets=rest)
-        return decoder
+        return SpeculativeDecoder(om, drafter, pred, cfg)
     except BaseException:
         release_drafter(drafter)
         raise

@@ -44,7 +44,7 @@ class StageConfig:
     split: tuple[int, ...] | None = None  # layers per rank (--pipeline-split); None: balanced by bytes
     routers: bool = False  # rank 0: also keep every MoE layer's norm + router gate (spmoe forecasts)
     one_sync: bool = True  # run each window as one device pass (one host sync + repairs); False: a sync per MoE layer
-    route_windows: bool = False  # a speculative run: windows route their layers that keep missing (route_sync.py)
+    route_windows: bool = True  # forwards route their layers that keep missing (runtime/decode/window_routes.py)
 
 
 def _module(root, path: str):

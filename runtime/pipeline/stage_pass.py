@@ -4,10 +4,9 @@ Without it, every MoE layer of a stage reads its router's ids back to the host (
 MoE layer per window). With it, a window whose experts fit each layer's usable slots looks its
 experts up on the device and the stage syncs once (its output and every layer's lookup codes in
 one array); an absent expert is read and the stage recomputed from the first layer that missed
-(a repair). One-token forwards route as one process's do (runtime/decode/route_sync.py, segment "auto"): a
-layer whose slots cannot hold every expert and whose recent misses make it pay syncs its lookup codes before its
-experts run and reads what is absent there, so a miss costs its read and no recompute; a speculative run's
-stages route their windows by the windows' own rates (StageConfig.route_windows). A window too large for a
+(a repair). Its forwards route as one process's verify windows do (runtime/decode/window_routes.py): a layer
+whose slots cannot hold every expert and whose recent misses make it pay syncs its lookup codes before its experts
+run and reads what is absent there, so a miss costs its read and no recompute. A window too large for a
 layer's slots (a prefill chunk) takes that layer's synced call, which runs expert-major
 (runtime/cache/expert_major.py: each unique expert read once).
 
@@ -23,7 +22,7 @@ cache's own counter does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from runtime.decode import DevicePass, LayerReplay
 
@@ -35,21 +34,20 @@ class StagePassHost:
     replay: LayerReplay  # over the stage's decoder layers, in cache order
     decoder_index: dict  # MoE layer -> index in the stage's layers and cache list
     top_k: int
-    forward_hooks: list = field(default_factory=list)  # none: forecasts reach a stage as FORECAST messages
     telemetry: object = None
 
 
 def stage_pass(cache, modules: dict, layers: list, layer_ids: list[int], top_k: int,
-               route_windows: bool = False) -> DevicePass | None:
-    """A DevicePass over this stage's layers, or None when the stage has no MoE layer. route_windows: a speculative
-    run's stage, whose windows (verify windows, plain rounds) route by the windows' own miss rates as one process's
-    speculative decoder does."""
+               route_windows: bool = True) -> DevicePass | None:
+    """A DevicePass over this stage's layers, or None when the stage has no MoE layer. route_windows: its forwards (one
+    token, or a verify window) route the layers whose misses make a sync pay, by the rates of one process's verify
+    windows; False: one sync and repairs."""
     if cache is None or not modules:
         return None
     first = layer_ids[0]
     host = StagePassHost(cache, modules, LayerReplay(layers), {l: l - first for l in modules}, top_k)
-    # As one process decodes: one-token forwards route the layers whose misses make a sync pay (route_sync.py),
-    # the rest wait for the forward's one sync; the rates carry on the host from token to token.
-    dp = DevicePass(host, segment="auto")
+    # Routed layers sync before their experts (window_routes.py), the rest wait for the forward's one sync; the
+    # rates carry on the host from forward to forward.
+    dp = DevicePass(host)
     dp.route_windows = route_windows
     return dp

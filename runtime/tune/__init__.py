@@ -19,14 +19,13 @@ from runtime.tune.measure import SettingRunner, Workload
 from runtime.tune.plots import plot_cache, plot_cutoff
 from runtime.tune.profile_run import run_workload
 from runtime.tune.run import run_tune
-from runtime.tune.settings import resolve_forecast_experts, resolve_lookahead, resolve_route_ahead, resolve_settings
+from runtime.tune.settings import resolve_settings
 from runtime.tune.tuner import Setting, choose, cutoff_grid, load_tuning, median_measurement, refine, save_tuning
 
 __all__ = [
     "split_by_miss_curves", "coarse_miss_curve", "PrefetchReplayResult", "replay_prefetch", "future_frequency_misses",
     "cache_sweep", "CalibrationReport", "calibrate", "SettingRunner", "Workload", "plot_cache", "plot_cutoff",
-    "allocate_slots", "belady", "miss_curve", "replay", "run_tune", "resolve_settings", "resolve_lookahead", "resolve_route_ahead",
-    "resolve_forecast_experts", "run_workload",
+    "allocate_slots", "belady", "miss_curve", "replay", "run_tune", "resolve_settings", "run_workload",
     "Setting", "choose",
     "cutoff_grid", "load_tuning", "median_measurement", "refine", "save_tuning",
 ]

@@ -65,15 +65,12 @@ class SettingRunner:
         facts = {"draft_ms_per_round": [], "load_ms_per_expert": [], "verify_ms_per_round": []}
         for prompt in w.prompts:
             om = OffloadedModel.load(w.model, OffloadConfig(budget=w.budget, policy=s.policy, io_mode=w.io_mode,
-                                                            threads=w.threads, inject=w.inject, trace=True,
-                                                            route_ahead="on" if s.route_ahead else "off"))
+                                                            threads=w.threads, inject=w.inject, trace=True))
             try:
                 ids = list(om.tokenizer.encode(prompt))
                 _, st, layers = run_speculative(om, w.draft, ids, max_tokens=w.max_tokens, num_draft=s.num_draft,
                                                 predictor=s.predictor, cutoff=s.cutoff, draft_model=self.draft_model,
-                                                draft_config=self.draft_config, lookahead=s.lookahead,
-                                                lookahead_experts=s.lookahead_experts or None,
-                                                forecast_k=s.forecast_experts or None)
+                                                draft_config=self.draft_config)
                 tps.append(st.n_tokens / st.decode_s if st.decode_s else 0.0)
                 c = st.counters
                 misses += c["misses"]

@@ -5,12 +5,6 @@ Stages (each measured on the same prompts with fresh caches):
    per-expert load time the analytic bound needs;
 2. cutoffs 0..bound with spmoe (coarse grid, then refined around the best);
 3. K in {2, 3, 4} at the best cutoff; 4. other predictors; 5. LRU instead of the default policy;
-5b. the router lookahead for the layers past the cutoff: 1 or 2 layers ahead, k or 2k experts per
-    token (kept only if it is measurably faster: choose() prefers it off within noise);
-5c. route-ahead: routed verify windows also prefetch the next layers' forecast at each layer's sync
-    (runtime/decode/route_ahead.py; kept only if measurably faster, as 5b);
-5d. a wider spmoe forecast: 2k experts per window token instead of k (more of the window's experts
-    prefetched, more bytes read and evicted; kept only if measurably faster, as 5b);
 6. the three fastest settings and the simplest (the baseline, prefetch off) in interleaved rounds, a fresh
    order each, as many as a sign test needs to name a winner among three beyond chance (6 rounds:
    runtime/tune/sign_test.py). tuner.choose() picks the finalists' leader on the way (pass ranges);
@@ -23,7 +17,7 @@ does not apply: stages 2 and 4 are skipped and the report says so.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from predictor.projection import config_digest
@@ -54,10 +48,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         def run(s: Setting):
             if any(m.setting == s for m in measured):
                 return
-            bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy} "
-                                         f"lookahead {s.lookahead}/{s.lookahead_experts} "
-                                         f"route-ahead {'on' if s.route_ahead else 'off'}"
-                                         + (f" forecast {s.forecast_experts}/token" if s.forecast_experts else ""))
+            bar.update(task, description=f"L={s.cutoff} {s.predictor} K={s.num_draft} {s.policy}")
             m, facts = runner.measure(s)
             measured.append(m)
             return facts
@@ -90,15 +81,6 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
                 run(Setting(best.cutoff, p, best.num_draft, P))
         best = choose(measured).setting
         run(Setting(best.cutoff, best.predictor, best.num_draft, "lru"))  # the previous default, for comparison
-        best = choose(measured).setting
-        if best.cutoff < n and not holds_all:  # layers past the cutoff: does the router lookahead pay, how far ahead?
-            for j, m in ((1, k), (2, k), (1, 2 * k)):
-                run(Setting(best.cutoff, best.predictor, best.num_draft, best.policy, j, m))
-        if not holds_all:  # misses left in verify windows: does prefetching ahead at their route syncs pay?
-            run(replace(choose(measured).setting, route_ahead=True))
-        best = choose(measured).setting
-        if best.cutoff and best.predictor == "spmoe" and not holds_all:  # does a wider forecast pay its reads?
-            run(replace(best, forecast_experts=min(2 * k, n_experts)))
         # One pass per setting is noisy on a shared machine: the finalists (the fastest three and the simplest) run
         # again in interleaved rounds, a fresh order each, and a sign test on the rounds decides (choose_paired).
         finalists = [m.setting for m in sorted(measured, key=lambda m: -m.tokens_per_s)[:3]]
@@ -123,10 +105,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
     path = save_tuning(model, key, choice, measured, runner.expert_counts)
     console.print(table(sorted(measured, key=lambda m: m.setting.simplicity()), "tuning measurements"))
     c = choice.setting
-    ahead = f"lookahead {c.lookahead} layer(s) ahead, {c.lookahead_experts or k} experts/token" if c.lookahead else "lookahead off"
-    ahead += ", route-ahead on" if c.route_ahead else ", route-ahead off"
-    ahead += f", forecast {c.forecast_experts} experts/token" if c.forecast_experts else ""
-    console.print(f"chosen: cutoff {c.cutoff}, predictor {c.predictor}, K={c.num_draft}, policy {c.policy}, {ahead} — "
+    console.print(f"chosen: cutoff {c.cutoff}, predictor {c.predictor}, K={c.num_draft}, policy {c.policy} — "
                   f"{choice.reason}", highlight=False)
     err_console.print(f"wrote {path}")
     if json_path:

@@ -32,39 +32,6 @@ def resolve_settings(model: Path, draft: Path, budget: str, num_draft, predictor
         overridden = [k for k, v in given.items() if v is not None]
         note = (f"using tuned settings from {Path(model) / 'tuning.json'}: K={tuned.num_draft}, predictor {tuned.predictor}, "
                 f"cutoff {tuned.cutoff}, policy {tuned.policy}"
-                + (f", forecast {tuned.forecast_experts} experts/token" if tuned.forecast_experts else "")
                 + (f" (overridden: {', '.join(overridden)})" if overridden else ""))
     out.update({k: v for k, v in given.items() if v is not None})
     return out["num_draft"], out["predictor"], out["cutoff"], out["policy"], note
-
-
-def resolve_route_ahead(model: Path, draft: Path | None, budget: str, route_ahead: str | None) -> str:
-    """"off", "on" or "auto": the flag if given, else the tuned setting for this model, drafter, budget and
-    machine (speculative only: `specmoe tune` measures it on verify windows), else off."""
-    if route_ahead is not None or draft is None:
-        return route_ahead or "off"
-    key = tuning_key(config_digest(_config(model)), config_digest(_config(draft)), budget)
-    tuned, _ = load_tuning(model, key)
-    return "on" if tuned is not None and tuned.route_ahead else "off"
-
-
-def resolve_lookahead(model: Path, draft: Path | None, budget: str, lookahead, lookahead_experts) -> tuple[int, int | None]:
-    """(lookahead distance, experts per token or None for k): the flags if given, else the tuned setting
-    for this model, drafter, budget and machine (speculative only), else off."""
-    if lookahead is not None or draft is None:
-        return lookahead or 0, lookahead_experts
-    key = tuning_key(config_digest(_config(model)), config_digest(_config(draft)), budget)
-    tuned, _ = load_tuning(model, key)
-    if tuned is None:
-        return 0, lookahead_experts
-    return tuned.lookahead, lookahead_experts or tuned.lookahead_experts or None
-
-
-def resolve_forecast_experts(model: Path, draft: Path | None, budget: str, forecast_k: int | None) -> int | None:
-    """spmoe's experts per window token: the flag if given, else the tuned setting for this model, drafter, budget
-    and machine (`specmoe tune` measures 2k against k), else None (the model's k)."""
-    if forecast_k is not None or draft is None:
-        return forecast_k
-    key = tuning_key(config_digest(_config(model)), config_digest(_config(draft)), budget)
-    tuned, _ = load_tuning(model, key)
-    return (tuned.forecast_experts or None) if tuned is not None else None

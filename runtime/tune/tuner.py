@@ -29,7 +29,7 @@ import math
 import statistics
 import os
 import platform
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from runtime.cache import DEFAULT_POLICY
@@ -45,16 +45,10 @@ class Setting:
     predictor: str  # forecaster name
     num_draft: int  # K
     policy: str  # cache eviction policy
-    lookahead: int = 0  # router lookahead for the layers past the cutoff: MoE layers ahead (0 = off)
-    lookahead_experts: int = 0  # experts per token it takes (0 = the model's k)
-    route_ahead: bool = False  # routed verify windows also prefetch the next layers (runtime/decode/route_ahead.py)
-    forecast_experts: int = 0  # spmoe's experts per window token (0 = the model's k; more covers more, reads more)
 
     def simplicity(self) -> tuple:
-        """Smaller is simpler: prefetch off first, then small cutoffs, lookahead off, the model's k per forecast
-        token, route-ahead off, short drafts."""
-        return (self.cutoff > 0, self.cutoff, self.lookahead > 0, self.lookahead, self.lookahead_experts,
-                self.forecast_experts, self.route_ahead, self.num_draft, self.policy != DEFAULT_POLICY, self.predictor)
+        """Smaller is simpler: prefetch off first, then small cutoffs, short drafts, the default policy."""
+        return (self.cutoff > 0, self.cutoff, self.num_draft, self.policy != DEFAULT_POLICY, self.predictor)
 
 
 @dataclass(frozen=True)
@@ -125,7 +119,7 @@ def choose(measurements: list[Measurement], rel_noise: float = 0.03) -> Choice:
                   f"setting ({fmt(pick)}); keeping the simpler one")
     if single > rel_noise:
         reason += f"; a single pass counts as +-{single:.0%} (the median spread of this run's repeats)"
-    if pick.setting.cutoff == 0 and pick.setting.lookahead == 0:
+    if pick.setting.cutoff == 0:
         reason += "; prefetch does not pay here"
     return Choice(pick.setting, pick, reason)
 
@@ -156,7 +150,7 @@ def choose_paired(rounds: dict[Setting, list[float]], baseline: Setting, measure
         lucky = f"; faster in every round but within chance: {', '.join(map(str, always))}" if always else ""
         reason = f"no finalist beat the simplest one in every round beyond chance ({how}){lucky}"
         pick = baseline
-    if pick.cutoff == 0 and pick.lookahead == 0 and not pick.route_ahead:
+    if pick.cutoff == 0:
         reason += "; prefetch does not pay here"
     return Choice(pick, measured[pick], reason)
 
@@ -247,9 +241,9 @@ def load_tuning(model_dir: Path, key: dict) -> tuple[Setting | None, str | None]
         return None, f"{path}: not a valid tuning file; ignored"
     for e in entries:
         if e.get("key") == key:
-            try:
-                return Setting(**e["setting"]), None
-            except TypeError:
+            try:  # fields of settings no longer tuned (older files) are ignored
+                return Setting(**{f.name: e["setting"][f.name] for f in fields(Setting)}), None
+            except (TypeError, KeyError):
                 return None, f"{path}: malformed entry ignored"
     stale = [e for e in entries if e.get("key", {}).get("model") != key["model"]]
     if stale and len(stale) == len(entries):
