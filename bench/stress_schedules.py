@@ -5,7 +5,8 @@ budget (a share, or a per-layer split of a 100% budget that leaves some layers w
 plain or speculative decoding, greedy or seeded sampling, the engine's one-sync setting, how the device runs what is
 queued, disk faults, and events at token boundaries:
 - governor shrinks and grows (ExpertCache.request_usable_slots, all layers or per layer), applied by the engine at
-  its next usable_now() or at once ("apply": the decode loop's usable_now() between tokens);
+  its next usable_now() or at once ("apply": the decode loop's usable_now() between tokens); and resizes requested
+  from an I/O thread at a given read, mid-forward, as the governor's own thread may (the engine applies them);
 - prefetches of random experts (ExpertCache.prefetch) that arrive early (settle_inflight), late (slow reads) or
   never (cancelled before their read: AsyncLoader.cancel_stale);
 - slow reads and read errors the loader retries (storage.faults through OffloadConfig.inject);
@@ -28,6 +29,7 @@ from __future__ import annotations
 import inspect
 import random
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,7 @@ class Schedule:
     events: tuple = ()  # (after token i, kind, args) in order
     predictor: str = "previous"  # spec: the forecaster
     num_draft: int = 3  # spec: K
+    governor: tuple = ()  # (read count after the warm start, usable slots): a resize requested from an I/O thread
 
     def label(self) -> str:
         return f"seed {self.seed} {self.family} {self.budget} {self.mode} {self.sampling} {self.one_sync} {self.device}"
@@ -119,9 +122,12 @@ def make_schedule(seed: int, families=FAMILIES, budgets=BUDGETS, modes=MODES, sa
             keys = tuple((r.randrange(TINY["layers"]), r.randrange(TINY["n_experts"])) for _ in range(r.randint(1, 6)))
             events.append((i, "prefetch", (keys, r.choice(["early", "late", "never"]))))
     one_sync = _pick(r, ("auto", "on", "off"), {"auto": 9, "on": 9, "off": 2 if mode == "plain" else 0})
+    g = random.Random(seed * 7919 + 1)  # a stream of its own: the fields above stay as they were without it
+    governor = tuple(sorted((g.randint(1, 60), g.randint(TINY["top_k"], TINY["n_experts"]))
+                            for _ in range(g.randint(1, 3)))) if g.random() < 0.5 else ()
     return Schedule(seed, r.choice(list(families)), budget, mode, r.choice(list(samplings)), one_sync,
                     _pick(r, ("async", "lazy", "eager"), {"async": 3, "lazy": 5, "eager": 2}), faults, n_tokens, split,
-                    tuple(events), r.choice(["previous", "spmoe", "none"]), r.choice([2, 3, 4]))
+                    tuple(events), r.choice(["previous", "spmoe", "none"]), r.choice([2, 3, 4]), governor)
 
 
 def _pick(r: random.Random, options, weights: dict):
@@ -197,6 +203,27 @@ class _Device:
         return getattr(mx, name)
 
 
+class _GovernorReader:
+    """The loader's reader, passed through, that requests a resize (as the memory governor's thread does) when the
+    read count reaches each of `at`'s counts: on an I/O thread, in the middle of whatever the engine is doing. The
+    engine applies it at its next resize point."""
+
+    def __init__(self, reader, cache, at: tuple):
+        self._reader, self._cache, self._at = reader, cache, dict(at)
+        self._n, self._lock = 0, threading.Lock()
+
+    def read(self, path: str, offset: int, buffers: list) -> int:
+        with self._lock:
+            self._n += 1
+            n = self._at.pop(self._n, None)
+        if n is not None:
+            self._cache.request_usable_slots(n)
+        return self._reader.read(path, offset, buffers)
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+
 @contextmanager
 def device_mode(kind: str):
     """Patch `mx` in every loaded runtime.decode module to model the device `kind` for the run, then restore it."""
@@ -254,6 +281,8 @@ def _run(s: Schedule, refs: References) -> tuple[list, list, int, int]:
     try:
         warm_start(om)
         om.cache.settle_inflight()
+        if s.governor:  # counted from the first read after the warm start
+            om.loader.reader = _GovernorReader(om.loader.reader, om.cache, s.governor)
         if s.split:
             om.cache.set_usable_slots({l: om.cache.n_slots(l) for l in om.moe_layers}
                                       | {om.moe_layers[i % len(om.moe_layers)]: n for i, n in s.split})
