@@ -102,7 +102,7 @@ def _width(text: str) -> int:
 
 @pytest.mark.parametrize("args", [["plan", "-m", "qwen3.5-35b-a3b", "--mac", "m4-16gb"],
                                   ["plan", "-m", "qwen3.5-35b-a3b", "--mac", "m4-16gb", "--cost-model", "v1"],
-                                  ["plan-pipeline", "--ranks", "1,2,3,4"]])
+                                  ["plan-pipeline", "-m", "qwen3.5-35b-a3b", "--mac", "m4-16gb", "--ranks", "1,2,3,4"]])
 def test_plan_tables_fit_80_columns_with_nothing_cut(args, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     code, out, err = run_cli(args)
@@ -127,8 +127,8 @@ def test_plan_piped_without_columns_is_never_cut(monkeypatch):
 def test_doctor_names_the_disk_not_a_model():
     from runtime.doctor import render_report
 
-    report = {"doctor_version": 1, "quick": True, "elapsed_s": 1.0, "machine": {"ssd_model": None, "ssd_size_bytes": 2e11},
-              "mlx": {}, "selfcheck": {}, "host_sync": {"error": "skipped"}, "ssd": {"error": "skipped"}}
+    report = {"doctor_version": 1, "quick": True, "elapsed_s": 1.0,
+              "machine": {"ssd_model": None, "ssd_size_bytes": 2e11}, "mlx": {}, "selfcheck": {}, "host_sync": {"error": "skipped"}, "ssd": {"error": "skipped"}}
     text = render_report(report)
     disk = next(line for line in text.splitlines() if line.startswith("- disk:"))
     assert "model" not in disk and "name unknown" in disk and "200.0 GB" in disk

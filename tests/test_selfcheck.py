@@ -19,7 +19,7 @@ def test_selfcheck_command_prints_a_report(tmp_path):
     register(app)
     app.command("noop")(lambda: None)  # a second command keeps `selfcheck` a named subcommand
     out = tmp_path / "report.json"
-    res = CliRunner().invoke(app, ["selfcheck", "--tokens", "3", "--experts-per-tok", "4", "--d-model", "128", "--hidden", "64",
+    res = CliRunner().invoke(app, ["selfcheck", "--window", "3", "--experts-per-tok", "4", "--d-model", "128", "--hidden", "64",
                                    "--slots", "8", "--trials", "1", "--json", str(out), "--no-coverage"])
     # Without Metal the kernel is skipped: SKIPPED with its own exit code, never PASS.
     assert res.exit_code == (0 if METAL else 3), res.output

@@ -13,13 +13,14 @@ from runtime.observe import console, write_json
 def register(app: typer.Typer) -> None:
     @app.command("plan-pipeline")
     def plan_pipeline(
-        model: str = typer.Option("qwen3.5-35b-a3b", "--model", "-m", help="Preset name or a config.json (file or directory)."),
-        mac: str = typer.Option("m4-16gb", "--mac", help="Mac of every rank, e.g. m4-16gb, m4-pro-64gb."),
+        model: str = typer.Option(..., "--model", "-m", help="Preset (e.g. qwen3.5-35b-a3b) or a config.json (file or "
+                                                             "directory)."),
+        mac: str = typer.Option(..., "--mac", help="Mac of every rank, e.g. m4-16gb, m4-pro-64gb."),
         ranks: str = typer.Option("1,2,3,4", "--ranks", help="Numbers of Macs to project, comma-separated."),
         link: str = typer.Option("tb5-rdma,tb4,10gbe", "--link", help="Links: tb4, tb5, tb5-rdma, 10gbe (comma-separated)."),
         budget: str = typer.Option("auto", "--budget", "-b", help="Expert cache per rank: auto, a size, or a share of its experts."),
         context: int = typer.Option(4096, "--context", help="Context tokens for the KV cache."),
-        bits: int = typer.Option(4, "--bits", help="Weight quantization bits."),
+        bits: int = typer.Option(None, "--bits", help="Weight bits (mlx affine). Default: the config's, else 4."),
         draft_len: int = typer.Option(DEFAULT_NUM_DRAFT, "--num-draft", "-k",
                                       help="K for the speculative column (0: no speculation)."),
         acceptance: float = typer.Option(0.75, "--acceptance", help="Per-token acceptance rate assumed for speculation."),
@@ -34,7 +35,10 @@ def register(app: typer.Typer) -> None:
         from runtime.plan import SpecAssumptions
 
         name, config, _ = load_model_config(model)
-        costs = model_costs(config, bits=bits, name=name)
+        from runtime.cli.plan import resolve_quantization
+
+        bits, group_size, mode = resolve_quantization(config, bits, None, None)  # as `specmoe plan`
+        costs = model_costs(config, bits=bits, group_size=group_size, mode=mode, name=name)
         profile = mac_profile(mac)
         spec = SpecAssumptions(draft_len=draft_len, acceptance_rate=acceptance) if draft_len else None
         try:

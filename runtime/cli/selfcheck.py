@@ -20,7 +20,7 @@ from runtime.observe import console, err_console, write_json
 def register(app: typer.Typer) -> None:
     @app.command()
     def selfcheck(
-        tokens: int = typer.Option(4, "--tokens", "-t", min=1, help="Tokens in the verify window (K drafted + 1)."),
+        tokens: int = typer.Option(4, "--window", min=1, help="Tokens in the verify window (K drafted + 1)."),
         top_k: int = typer.Option(8, "--experts-per-tok", min=1, help="Experts per token (config num_experts_per_tok)."),
         d_model: int = typer.Option(2048, "--d-model", min=1, help="Hidden size D (Qwen3-30B-A3B: 2048)."),
         hidden: int = typer.Option(768, "--hidden", min=1, help="Expert intermediate size H (Qwen3-30B-A3B: 768)."),
