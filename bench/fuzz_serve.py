@@ -4,10 +4,14 @@ clients send, and report how it held up.
 Each request is drawn from a seeded mix: malformed JSON, wrong types, huge and negative numbers, NaN,
 unicode (lone surrogates included), deep nesting, unknown fields, valid requests, bodies over the
 size cap (declared and chunked), slow bodies that never finish, and clients that disconnect mid-body.
-Slow bodies go in parallel batches (they hold a connection until --body-timeout answers 408).
+Slow bodies and request lines that never end go in parallel batches of up to 30 (under
+--max-connections 32); a slow body holds its connection until --body-timeout answers 408, an
+unfinished request line until the header deadline (10 s) closes it (status 0). A flood is 48 slow
+bodies at once, over --max-connections: uvicorn answers 503 to those past the limit, reported apart
+(a capacity answer, not a mishandled client error).
 
-Reported: requests tried, responses by status (0: the server closed without answering, as after a
-client disconnect), 5xx count (must be 0: every case here is a client's fault), the slowest /health
+Reported: requests tried, responses by status (0: the server closed without answering), 5xx count
+outside floods (must be 0: every case here is a client's fault), the slowest /health
 answer while under attack, the server's RSS growth (max over the run), its open file descriptors
 before and after (after the connections settle), and whether the next valid request still answers
 with the same text. Table first, the last line one JSON document.
@@ -61,7 +65,7 @@ def _value(rng: random.Random, depth: int = 0):
 def _body(rng: random.Random) -> tuple[str, bytes]:
     """(case name, body)."""
     case = rng.choice(["mutated", "mutated", "mutated", "valid", "garbage", "nested", "constants", "unicode",
-                       "huge_int"])
+                       "huge_int", "big_prompt"])
     if case == "valid":
         return case, json.dumps({**VALID, "messages": [{"role": "user", "content": rng.choice(TEXTS[1:7])}]}).encode()
     if case == "mutated":
@@ -76,6 +80,8 @@ def _body(rng: random.Random) -> tuple[str, bytes]:
         return case, b"[" * d + b"]" * d if rng.random() < 0.5 else b'{"a":' * d + b"1" + b"}" * d
     if case == "constants":
         return case, rng.choice([b'{"temperature": NaN, "messages": []}', b'{"seed": Infinity}', b"null", b"[]"])
+    if case == "big_prompt":  # under the body cap, far over the prompt limit: tokenized off the loop, then 400
+        return case, json.dumps({**VALID, "messages": [{"role": "user", "content": "the king " * 25000}]}).encode()
     if case == "unicode":
         return case, json.dumps(VALID).encode("utf-16")
     return case, b'{"max_tokens": ' + b"9" * rng.choice([100, 5000]) + b"}"
@@ -108,8 +114,10 @@ def _send(port: int, mode: str, body: bytes) -> int:
                 s.sendall(_head(port, None))
                 for _ in range(CAP // 16384 + 2):
                     s.sendall(b"4000\r\n" + b" " * 16384 + b"\r\n")
-            elif mode == "slow":
+            elif mode in ("slow", "flood"):
                 s.sendall(_head(port, len(body) + 100) + body[: len(body) // 2])
+            elif mode == "slow_headers":  # a request line that never ends: the header deadline closes it
+                s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Slow: ".encode())
             elif mode == "disconnect":
                 s.sendall(_head(port, len(body)) + body[: len(body) // 2])
                 return -1  # closed by us: no answer expected
@@ -162,7 +170,7 @@ def main() -> int:
            "--max-tokens", "4", "--max-prompt-tokens", "256", "--max-body-bytes", str(CAP), "--body-timeout", "2",
            "--request-timeout", "1", "--max-connections", "32"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    rng, statuses, cases = random.Random(args.seed), Counter(), Counter()
+    rng, statuses, flood, cases = random.Random(args.seed), Counter(), Counter(), Counter()
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, log, 240, "specmoe serve")
         reference = _valid_text(port)
@@ -170,9 +178,9 @@ def main() -> int:
         fds0, rss0 = _fds(proc.pid), _rss(proc.pid)
         rss_max, health_max_s, t0, sent = rss0, 0.0, time.monotonic(), 0
         while sent < args.requests:
-            mode = rng.choices(["normal", "oversized_declared", "oversized_chunked", "slow", "disconnect"],
-                               [80, 4, 4, 6, 6])[0]
-            batch = rng.randrange(5, 21) if mode == "slow" else 1
+            mode = rng.choices(["normal", "oversized_declared", "oversized_chunked", "slow", "slow_headers",
+                                "disconnect", "flood"], [85, 3, 3, 2, 0.4, 5, 0.2])[0]
+            batch = {"slow": rng.randrange(5, 31), "slow_headers": rng.randrange(5, 31), "flood": 48}.get(mode, 1)
             jobs = []
             for _ in range(min(batch, args.requests - sent)):
                 case, body = _body(rng)
@@ -184,7 +192,7 @@ def main() -> int:
                 t.start()
             for t in threads:
                 t.join()
-            statuses.update(r for r in results if r >= 0)
+            (flood if mode == "flood" else statuses).update(r for r in results if r >= 0)
             sent += len(jobs)
             if sent % 25 < len(jobs) or sent >= args.requests:
                 h0 = time.monotonic()
@@ -207,6 +215,8 @@ def main() -> int:
              f"{os.cpu_count()} cores; server: {' '.join(cmd[3:])}",
              f"requests tried        {sent} in {wall_s:.1f} s",
              "responses by status  " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())),
+             "floods (48 slow bodies at once, over --max-connections 32): "
+             + (", ".join(f"{s}: {n}" for s, n in sorted(flood.items())) or "none drawn"),
              f"5xx                   {n5xx}",
              f"slowest /health       {health_max_s * 1000:.0f} ms (every 25 requests)",
              f"RSS                   {rss0 / 1e6:.0f} MB before, max growth {(rss_max - rss0) / 1e6:.1f} MB",
@@ -215,6 +225,7 @@ def main() -> int:
              f"queue                 {stats['queue']}",
              "cases                 " + ", ".join(f"{k}: {n}" for k, n in sorted(cases.items()))]
     summary = {"requests": sent, "statuses": {str(k): v for k, v in sorted(statuses.items())}, "n_5xx": n5xx,
+               "flood_statuses": {str(k): v for k, v in sorted(flood.items())},
                "health_max_ms": round(health_max_s * 1000, 1), "rss_before_bytes": rss0,
                "rss_max_growth_bytes": rss_max - rss0, "fds_before": fds0, "fds_after": fds1,
                "next_request_correct": still_right, "load_average": load, "wall_s": round(wall_s, 1)}

@@ -54,7 +54,7 @@ def test_a_cross_origin_browser_request_is_refused_and_gets_no_cors_headers(clie
     p = _preflight(client, "https://evil.example")
     assert p.status_code >= 400 and "access-control-allow-origin" not in p.headers
     assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200  # no Origin: not a browser
-    # The check is what refuses: with the old default (CORS for any origin) the same page is served and can read it.
+    # The check is what refuses: with CORS for any origin (--cors-origin '*') the same page is served and can read it.
     with app_client(engine, policy=AccessPolicy(cors_origins=("*",))) as open_client:
         r = _browser_post(open_client, "https://evil.example")
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"

@@ -67,7 +67,7 @@ def test_lifetime_counters_are_the_sums_of_the_requests(engine):
 
 def test_the_old_accounting_breaks_the_invariants(engine, monkeypatch):
     """Planted: forwards estimated as tokens - 1 while one-sync forwards count every device pass (and runs
-    ended early adding tokens but no forwards) -- one_sync_forwards exceeds forwards, as it did before."""
+    ended early adding tokens but no forwards) -- one_sync_forwards exceeds forwards."""
     def old(detail, n_tokens):
         if detail is None:
             return {"forwards": 0, "one_sync_forwards": 0}
