@@ -56,7 +56,7 @@ class ExpertCache(ResidentTables):
         self.table = SlotTable({l: lay.n_experts for l, lay in layouts.items()}, slots, policy, resident)
         self.min_usable = min_usable  # resizing never goes below this (the model's top-k: one token's experts)
         self.resize_stats = ResizeStats()
-        self.host_syncs = 0  # router read-backs and device-pass syncs, counted by the callers that make them
+        self.host_syncs = 0  # router read-backs, device-pass syncs, token read-backs: counted by the callers that make them
         self.active_pass = None  # the device pass building a forward now: its modules look slots up on the device
         self._lock = threading.RLock()
         self._ids_are_slots: tuple[int, frozenset] = (-1, frozenset())  # (table version, layers) of ids_are_slots()

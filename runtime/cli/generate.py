@@ -186,7 +186,7 @@ def register(app: typer.Typer) -> None:
             # --json: one schema for plain and speculative runs (docs/json.md); "stats" is runtime.api's RunStats
             result = {"model": str(model), "budget": budget, "budget_bytes": om.plan.budget_bytes, "slots": om.plan.slots,
                       "policy": engine.policy, "draft": None, "num_draft": None, "predictor": None, "cutoff": None,
-                      "stats": r.stats.to_json(), "detail": stats.to_json(), "lookahead": None, "governor": None}
+                      "stats": r.stats.to_json(), "detail": stats.to_json(), "governor": None}
             if engine.draft is None:
                 line = stats.line()
             else:

@@ -6,7 +6,7 @@ with the generation prompt; without a template, mlx_lm.server's plain role trans
 
 Counters (lifetime, since the server started; `last_request` is the same record for one run):
 every run adds its prompt and completion tokens and the host syncs the expert cache counted
-during it (router read-backs and device-pass syncs, prefill included); a run whose decoder
+during it (router read-backs, device-pass syncs and token read-backs, prefill included); a run whose decoder
 reported its forwards (it ran to end of sequence or max_tokens) also adds those forwards and
 how many of them took one host sync. A run ended early (stop string, disconnect,
 --request-timeout) has no decoder report: its tokens and syncs count, its forwards do not, and
@@ -163,8 +163,8 @@ class Backend:
                            if totals["completion_tokens"] else None,
                            "forwards": syncs["forwards"], "one_sync_forwards": syncs["one_sync_forwards"],
                            "reported_tokens": syncs["reported_tokens"], "unreported_runs": syncs["unreported_runs"],
-                           "how": "total: host syncs the expert cache counted (router read-backs, device-pass syncs; "
-                                  "prefill included; token read-backs outside device passes are not). forwards: "
+                           "how": "total: host syncs the expert cache counted (router read-backs, device-pass syncs, "
+                                  "plain decoding's token read-backs; prefill included). forwards: "
                                   "model forwards of runs that ran to their end (plain: every forward after the "
                                   "prompt, one per token without device passes; speculative: verify passes and "
                                   "re-runs), reported_tokens their tokens; runs ended early (stop string, "
