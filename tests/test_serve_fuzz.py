@@ -122,3 +122,43 @@ def test_max_tokens_is_clamped_to_the_context_the_prompt_leaves(engine):
         assert r.json()["choices"][0]["finish_reason"] == "length"
         full = c.post("/v1/chat/completions", json=chat_body(content="the king " * 20))
         assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded"
+
+
+class _EndlessBackend:
+    """Encodes anything to three ids and generates a token every 20 ms until told to stop."""
+
+    tokenizer = None
+
+    def encode(self, request):
+        return [1, 2, 3]
+
+    def stream(self, ids, request):
+        from types import SimpleNamespace
+
+        while True:
+            time.sleep(0.02)
+            yield SimpleNamespace(text="x", finish_reason=None, cached_tokens=None)
+
+    def stats(self):
+        return {}
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_a_long_run_ends_at_the_timeout(engine):
+    import threading
+
+    limits = RequestLimits(max_queue=1, request_timeout_s=1.0)
+    with app_client(engine, backend=_EndlessBackend(), limits=limits) as c:
+        first = {}
+        t = threading.Thread(target=lambda: first.update(r=c.post("/v1/chat/completions", json=chat_body(max_tokens=10**6))))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not c.get("/health").json()["queue"]["busy"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = c.post("/v1/chat/completions", json=chat_body())
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+        assert int(r.headers["retry-after"]) >= 1
+        t.join(timeout=30)
+        answer = first["r"].json()
+        assert answer["choices"][0]["finish_reason"] == "length" and 10 < answer["usage"]["completion_tokens"] < 10**6
+        status = c.get("/health").json()["queue"]
+        assert status["refused"] == 1 and status["timed_out"] == 1

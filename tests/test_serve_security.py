@@ -164,3 +164,5 @@ def test_exposure_beyond_loopback_without_a_key_warns(tmp_path):
     assert "WARNING: --host 0.0.0.0 exposes this server" in exposure_warning(config(host="0.0.0.0"))
     with pytest.raises(ValueError, match="--api-key is empty"):
         AccessPolicy(api_key="  ")
+    with pytest.raises(ValueError, match="--cors-origin 'localhost:3000'; expected an origin as browsers send it"):
+        config(cors_origins=("localhost:3000",))  # checked when the config is made, before the model loads

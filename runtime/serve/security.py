@@ -53,6 +53,11 @@ class AccessPolicy:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty; expected a non-empty token (or leave it out)")
+        for origin in self.cors_origins:
+            scheme, sep, rest = origin.partition("://")
+            if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+                raise ValueError(f"--cors-origin {origin!r}; expected an origin as browsers send it, "
+                                 "e.g. http://localhost:3000 (scheme and host, no path), or *")
 
     @property
     def checks_host(self) -> bool:

@@ -44,6 +44,9 @@ class ServeConfig:
     seed: int | None = None  # --seed: the PRNG seeded once at start-up
     sock: object = None  # the socket `bind` took for host:port (None: serve_backend binds it)
 
+    def __post_init__(self):
+        self.policy()  # --cors-origin and --api-key are checked here, before the model loads
+
     def policy(self) -> AccessPolicy:
         return AccessPolicy(bind_host=self.host, port=self.port, cors_origins=self.cors_origins, api_key=self.api_key)
 
