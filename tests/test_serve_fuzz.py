@@ -162,3 +162,45 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_long_run_ends_at_the_ti
         assert answer["choices"][0]["finish_reason"] == "length" and 10 < answer["usage"]["completion_tokens"] < 10**6
         status = c.get("/health").json()["queue"]
         assert status["refused"] == 1 and status["timed_out"] == 1
+
+
+class _SlowEncode(_EndlessBackend):
+    """encode() blocks until the test opens the gate (at most 10 s): a stand-in for tokenizing a huge prompt."""
+
+    def __init__(self, wait_s: float):
+        import threading
+
+        self.entered, self.gate, self.released, self.wait_s = threading.Event(), threading.Event(), None, wait_s
+
+    def encode(self, request):
+        self.entered.set()
+        self.released = self.gate.wait(self.wait_s)  # True: opened by the test while this still ran
+        return [1, 2, 3]
+
+
+def _health_during_tokenization(engine, wait_s: float) -> bool:
+    import threading
+
+    backend = _SlowEncode(wait_s)
+    with app_client(engine, backend=backend, limits=RequestLimits(request_timeout_s=0.1)) as c:
+        t = threading.Thread(target=lambda: c.post("/v1/chat/completions", json=chat_body()))
+        t.start()
+        assert backend.entered.wait(10)
+        assert c.get("/health").status_code == 200
+        backend.gate.set()
+        t.join(timeout=30)
+    return backend.released
+
+
+def test_tokenizing_runs_off_the_event_loop(engine, monkeypatch):
+    """While one request is being tokenized, /health answers: the test opens the tokenizer's gate only after
+    /health answered. Planted: parsing and tokenizing on the event loop, /health waits out the gate first."""
+    from runtime.serve.app import ServerState
+
+    assert _health_during_tokenization(engine, wait_s=10) is True
+
+    async def on_the_loop(self, raw, kind, *args):
+        return self.prepare(raw, kind, *args)
+
+    monkeypatch.setattr(ServerState, "prepare_off_loop", on_the_loop)
+    assert _health_during_tokenization(engine, wait_s=1) is False
