@@ -76,7 +76,7 @@ def test_prompt_cache_file_of_another_model_is_refused(tiny_dirs, tmp_path):
 
 
 def test_prompt_cache_and_kv_bits_with_a_drafter_are_refused_before_loading_saying_why(tiny_dirs, tmp_path):
-    base = ["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", PROMPT, "-n", "2", "--draft", str(tmp_path / "none")]
+    base = ["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", PROMPT, "-n", "2", "--draft", str(tmp_path)]  # no model there: never loaded
     code, _, err = run_cli(base + ["--prompt-cache", str(tmp_path / "p.safetensors")])
     assert code == 2 and "--prompt-cache with --draft: the drafter's KV cache is not saved" in " ".join(err.split())
     code, _, err = run_cli(base + ["--kv-bits", "8"])
