@@ -13,6 +13,5 @@ reason, never faked; a failing check does not stop the others; the JSON report i
 from runtime.doctor.render import render_report
 from runtime.doctor.run import DOCTOR_VERSION, run_doctor
 from runtime.doctor.ssd_probe import cold_read_gbps
-from runtime.observe import host_sync_us  # measured in runtime.observe; re-exported for callers
 
-__all__ = ["run_doctor", "render_report", "DOCTOR_VERSION", "cold_read_gbps", "host_sync_us"]
+__all__ = ["run_doctor", "render_report", "DOCTOR_VERSION", "cold_read_gbps"]
