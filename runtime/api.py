@@ -19,12 +19,14 @@ and slots per MoE layer). docs/json.md documents every field.
 Your own token loop: `engine.model.model` is the mlx-lm model whose MoE layers read the expert
 cache, so `model(ids[None], cache=make_prompt_cache(model))` or mlx-lm's `generate_step` over it
 gives the resident model's tokens (lossless), and totals and the plan still count. It skips what
-`stream_generate` adds around the model: one host sync per token (each MoE layer reads its routing
-back instead, one sync per layer, which also stops mlx-lm's async pipelining of the next step, and
-which is what `stream_generate` itself runs below a full budget), the repair of absent experts and the
-verify windows' early syncs, the warm start (a full budget's experts read up front, or `warm`), the
-memory limit's KV accounting (slots given back as the KV grows; prefill chunks sized to fit), the
-drafter (speculative decoding and its prefetch) and RunStats. Expert-major prefill, caching and the memory governor stay on: they live in the MoE layers and the cache.
+`stream_generate` adds around the model: one host sync per token where it decodes through device
+passes (a full budget, or one_sync="on"; your loop's MoE layers each read their routing back, one
+sync per layer, which also stops mlx-lm's async pipelining of the next step), the repair of absent
+experts and the verify windows' early syncs, the warm start (a full budget's experts read up
+front, or `warm`), the memory limit's KV accounting (slots given back as the KV grows; prefill
+chunks sized to fit), the drafter (speculative decoding and its prefetch) and RunStats.
+Expert-major prefill, caching and the memory governor stay on: they live in the MoE layers and
+the cache.
 
 Invariants: a prompt string is tokenized as given (apply a chat template yourself, as with
 mlx-lm); greedy output equals the resident mlx-lm model's; every call starts a fresh KV cache and
