@@ -1,8 +1,8 @@
 """What this machine's MLX backend charges per op, and whether host work can overlap its compute.
 
-Issue 14's decode targets compare specmoe with stock mlx-lm on a model whose token is a few hundred tiny
-ops: what an op costs, and whether Python can run beside the compute, set how far the engine's own host
-work and extra lookup ops can be hidden. Four measurements, each repeated, the variants interleaved:
+The decode targets compare specmoe with stock mlx-lm on a model whose token is a few hundred tiny ops: what
+an op costs, and whether Python can run beside the compute, set how far the engine's own host work and extra
+lookup ops can be hidden. Five measurements, each repeated, the variants interleaved:
 
 1. op chain: one eval of N chained small ops (a 1 x D matmul, a max, an add) -> microseconds per op.
 2. Python beside eval: that eval while a pure-Python thread spins, over the eval alone. Above 1 means eval
@@ -11,11 +11,14 @@ work and extra lookup ops can be hidden. Four measurements, each repeated, the v
 3. extra ops in a decode: stock decode of the synthetic 8-layer checkpoint (bench_decode.py's) with E
    extra tiny ops per MoE layer (a lookup through a 64-entry identity table, as a device lookup does)
    against none, paired per trial -> microseconds per extra op inside a real forward.
-4. queueing from a helper thread: mx.async_eval blocks here until the device is nearly done, so mlx-lm's
-   loop builds token n+1 while little of token n is left to compute. The variant queues from a helper
-   thread (on a stream any thread may use) while the main thread builds the next forward; tokens must
-   equal the plain loop's. Paired per trial: plain loop's time over the variant's (above 1: the variant
-   is faster).
+4. queueing from a helper thread: the variant queues each token with mx.async_eval from a helper thread
+   (on a stream any thread may use) while the main thread builds the next forward; tokens must equal the
+   plain loop's. Paired per trial: plain loop's time over the variant's (above 1: the variant is faster).
+5. what mx.async_eval leaves in flight: a one-token stock forward is built and queued; how long async_eval
+   takes to return, and how long an eval right after it still waits (the forward's compute not done when
+   async_eval returned). Then the same with P ms of pure Python placed between the two: the milliseconds of
+   it hidden = (queue + wait alone) + P - (queue + P + wait), per pair. Above 0: Python after async_eval runs
+   while MLX's worker computes (the backend is not synchronous), so host work placed there overlaps.
 
 Prints a table and ends with one JSON line.
 """
@@ -132,6 +135,39 @@ class _Decoder:
         return (time.perf_counter() - t0) / self.tokens * 1e3, out
 
 
+def _spin(ms: float) -> None:
+    """Pure Python for `ms` milliseconds (holds the GIL, as bookkeeping does)."""
+    end = time.perf_counter() + ms * 1e-3
+    n = 0
+    while time.perf_counter() < end:
+        n += 1
+
+
+def async_overlap(model, tokenizer, prompt: str, python_ms: float, spin_first: bool) -> tuple[float, float, float]:
+    """(ms async_eval took to return, ms an eval right after it waited, ms of `python_ms` of Python placed between
+    them that was hidden) for a one-token stock forward, the two variants back to back on fresh caches."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = mx.array(tokenizer.encode(prompt))
+    runs = {}
+    for spin in ((True, False) if spin_first else (False, True)):
+        cache = make_prompt_cache(model)
+        mx.eval(model(ids[None, :-1], cache=cache), [c.state for c in cache])
+        y = mx.argmax(model(ids[None, -1:], cache=cache)[:, -1, :], axis=-1)  # built, nothing queued yet
+        t0 = time.perf_counter()
+        mx.async_eval(y)
+        t1 = time.perf_counter()
+        if spin:
+            _spin(python_ms)
+        t2 = time.perf_counter()
+        mx.eval(y)
+        t3 = time.perf_counter()
+        runs[spin] = (t1 - t0, t3 - t2)  # queueing, then the wait for what was still in flight
+    queue, wait = runs[False]
+    # hidden = (queue + wait) + P - (queue' + P + wait'): the Python's own P cancels out
+    return queue * 1e3, wait * 1e3, (queue + wait - sum(runs[True])) * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", type=int, default=360, help="ops in the chain of measurements 1 and 2")
@@ -140,6 +176,7 @@ def main() -> int:
     ap.add_argument("--extra-ops", type=int, default=16, help="extra lookups per MoE layer in measurement 3")
     ap.add_argument("--tokens", type=int, default=48, help="decoded tokens per run in measurements 3 and 4")
     ap.add_argument("--trials", type=int, default=4, help="trials; each runs every prompt with every variant")
+    ap.add_argument("--python-ms", type=float, default=5.0, help="Python placed after async_eval in measurement 5")
     ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
     args = ap.parse_args()
     for name in ("ops", "width", "chain_repeats", "extra_ops", "tokens", "trials"):
@@ -165,6 +202,7 @@ def main() -> int:
 
         dec = _Decoder(model, tokenizer, args.tokens)
         op_cost, beside, per_extra, helper_ratio, helper_ms, plain_ms = [], [], [], [], [], []
+        queue_ms, wait_ms, hidden_ms = [], [], []
         op_chain(args.ops, args.width, 3, False)  # warm both variants alike
         for v in (False, True):
             dec.run(PROMPTS[0], v)
@@ -185,6 +223,11 @@ def main() -> int:
                     r[helper] = dec.run(prompt, helper)
                 if r[True][1] != r[False][1]:
                     raise SystemExit("the helper-thread loop decoded other tokens than mlx-lm's loop: not comparable")
+                for i in range(4):
+                    q, w, h = async_overlap(model, tokenizer, prompt, args.python_ms, spin_first=(trial + i) % 2 == 1)
+                    queue_ms.append(q)
+                    wait_ms.append(w)
+                    hidden_ms.append(h)
                 plain_ms.append(r[False][0])
                 helper_ms.append(r[True][0])
                 helper_ratio.append(r[False][0] / r[True][0])
@@ -195,6 +238,8 @@ def main() -> int:
               "us_per_op": _spread(op_cost), "python_beside_eval": _spread(beside),
               "us_per_extra_op_in_decode": _spread(per_extra),
               "helper_queue_vs_plain": _spread(helper_ratio),
+              "async_eval_return_ms": _spread(queue_ms), "wait_after_async_eval_ms": _spread(wait_ms),
+              "python_hidden_after_async_eval_ms": _spread(hidden_ms), "python_ms": args.python_ms,
               "plain_ms_per_token": statistics.median(plain_ms), "helper_ms_per_token": statistics.median(helper_ms)}
 
     def row(label, s, unit, fmt="{:.2f}"):
@@ -211,7 +256,11 @@ def main() -> int:
              row("4. mlx-lm's loop over helper-thread queueing (time)", result["helper_queue_vs_plain"],
                  "x"),
              f"   (ms per token: plain {result['plain_ms_per_token']:.2f}, helper {result['helper_ms_per_token']:.2f};"
-             " above 1 would mean the helper's overlap pays)"]
+             " above 1 would mean the helper's overlap pays)",
+             row("5a. mx.async_eval of a one-token forward: time to return", result["async_eval_return_ms"], "ms"),
+             row("5b. an eval right after it: still waiting for", result["wait_after_async_eval_ms"], "ms"),
+             row(f"5c. of {args.python_ms:g} ms of Python placed after async_eval, hidden",
+                 result["python_hidden_after_async_eval_ms"], "ms")]
     text = "\n".join(lines) + "\n" + json.dumps(result) + "\n"
     sys.stdout.write(text)
     if args.out is not None:

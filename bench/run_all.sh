@@ -31,6 +31,13 @@ retired() {
   if [[ -n $LIST ]]; then echo "$OUT/$1.txt"; return 0; fi
   echo "retired: $1 ($2)"
 }
+# retired NAME WHY: a result file whose lever was taken out of main (docs/flags.md); kept as the measurement behind
+# that decision, no longer re-run (the commit that removed the lever names the last run that wrote it)
+retired() {
+  wanted "$1" || return 0
+  if [[ -n $LIST ]]; then echo "$OUT/$1.txt"; return 0; fi
+  echo "retired: $1 ($2)"
+}
 loadavg() { cut -d" " -f1-3 /proc/loadavg 2>/dev/null || uptime | sed 's/.*average[s]*: //'; }
 run() {
   local name=$1; shift
@@ -105,6 +112,8 @@ run hotpath_decode_embedded python bench/bench_decode.py --model "$TARGET" --bud
 # ablation table above, whose every variant is loaded at once.
 run hotpath_decode_targets python bench/bench_decode.py --budgets 100%,50%,25% --one-sync auto --trials 16 --next-off ""
 run backend python bench/bench_backend.py --trials 8
+# what the default does at 100/50/25% against --one-sync off/on and a plain loop over the paged model, two models
+run decode_defaults python bench/bench_defaults.py --trials 6 --tokens 48
 run prefill python bench/bench_prefill.py
 run long_context python bench/bench_long_context.py
 run long_context_tight python bench/bench_long_context.py --cap 145000000

@@ -121,8 +121,8 @@ def test_a_stage_syncs_once_per_decode_step_with_its_experts_resident(packed_dir
 
 
 def test_a_stage_routes_the_layers_that_keep_missing_and_stays_lossless(packed_dirs):
-    """At 50% a stage's one-token forwards route the layers whose misses make a sync pay, as one process does
-    (runtime/decode/route_sync.py): misses there are read before the experts run, not repaired; the tokens equal
+    """At 50% a stage's one-token forwards route the layers whose misses make a sync pay, by the rule of one
+    process's verify windows (runtime/decode/window_routes.py): misses there are read before the experts run, not repaired; the tokens equal
     the synced path's."""
     path = packed_dirs["qwen3_moe"]
     ids = [5, 9, 14, 3, 7, 21, 30, 11]

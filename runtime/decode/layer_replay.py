@@ -8,11 +8,6 @@ whose call, while a replay controller is active, records its output, or -- for l
 `skip_below` -- returns the output recorded by the previous run without computing or touching
 its cache. Outside a pass the subclass calls straight through.
 
-Segment boundaries (a device pass that syncs inside the forward): while `boundaries` is not empty,
-each running layer also records its call (input, arguments), and after a layer whose index is in
-`boundaries` the controller's `boundary(i, out)` is called; what it returns is the layer's output.
-It may rerun(j, x) recorded layers (their caches rolled back first) to recompute a segment.
-
 Windows (a verify of several tokens): the model builds a window's attention mask from the first
 cache's offset, which a kept layer has already advanced when the forward is rebuilt. Each running
 layer records the arguments it was called with (the mask, its cache: no activations), and after
@@ -22,8 +17,7 @@ first run passed them, so a window repairs from its first missing layer as it wo
 Invariants: a skipped layer returns exactly the array its previous run produced and writes no
 cache; layers at or above `skip_below` run normally and record their new output (with same_args,
 called with the arguments of the run that recorded them); the model's own code (embedding, masks,
-final norm, head) runs unchanged; rerun(j, x) calls layer j exactly as the forward did (same
-arguments, its own class's call) on input x and records its output.
+final norm, head) runs unchanged; park()/resume() keep one forward's record whole while another is built.
 """
 
 from __future__ import annotations
@@ -50,10 +44,6 @@ def _replay_class(cls: type) -> type:
             ctl.args[i] = (args, kwargs)
         out = cls.__call__(self, x, *args, **kwargs)
         ctl.outputs[i] = out
-        if ctl.boundaries:
-            ctl.calls[i] = (cls.__call__, self, x, args, kwargs)
-            if i in ctl.boundaries:
-                out = ctl.boundary(i, out)
         return out
 
     _REPLAY_CLASSES[cls] = type(f"Replayable{cls.__name__}", (cls,), {"__call__": __call__})
@@ -67,9 +57,6 @@ class LayerReplay:
         self.active = False  # record outputs (and skip layers below skip_below)
         self.skip_below = 0
         self.outputs: dict[int, mx.array] = {}
-        self.boundaries: frozenset = frozenset()  # layer indices after which boundary(i, out) is called
-        self.boundary = None
-        self.calls: dict[int, tuple] = {}  # layer index -> (call, layer, input, args, kwargs), while boundaries
         self.args: dict[int, tuple] = {}  # layer index -> (args, kwargs) of its first call in this pass
         self.same_args = False  # layers at or above skip_below reuse self.args (a window's repair)
         # No reference back to the layers (they reference this controller): no cycle keeps a closed
@@ -79,25 +66,10 @@ class LayerReplay:
             object.__setattr__(layer, "_replay_index", i)
             layer.__class__ = _replay_class(type(layer))
 
-    def start(self, boundaries: frozenset = frozenset(), boundary=None) -> None:
-        """Record every layer's output from the next forward on (nothing skipped); call boundary(i, out)
-        after each layer i in `boundaries`."""
-        self.active, self.skip_below, self.outputs, self.calls = True, 0, {}, {}
+    def start(self) -> None:
+        """Record every layer's output from the next forward on (nothing skipped)."""
+        self.active, self.skip_below, self.outputs = True, 0, {}
         self.args, self.same_args = {}, False
-        self.boundaries, self.boundary = boundaries, boundary
-
-    def input_of(self, i: int):
-        """The input layer i was last called with (segment boundaries only)."""
-        return self.calls[i][2]
-
-    def rerun(self, i: int, x):
-        """Run layer i again, as the forward called it, on input x (its cache rolled back); records and
-        returns its output."""
-        call, layer, _, args, kwargs = self.calls[i]
-        out = call(layer, x, *args, **kwargs)
-        self.outputs[i] = out
-        self.calls[i] = (call, layer, x, args, kwargs)
-        return out
 
     def skip(self, below: int, same_args: bool = False) -> None:
         """The next forward reuses the recorded outputs of layers [0, below); with `same_args`, its layers
@@ -113,16 +85,15 @@ class LayerReplay:
     def park(self) -> tuple:
         """The current forward's recorded state, to resume() after another forward was built (a device
         pass builds the next token's forward before the current one's sync: runtime/decode/device_pass.py)."""
-        return self.active, self.skip_below, self.outputs, self.boundaries, self.boundary, self.calls
+        return self.active, self.skip_below, self.outputs, self.args, self.same_args
 
     def resume(self, state: tuple) -> None:
         """Make a parked forward's recorded state current again."""
-        self.active, self.skip_below, self.outputs, self.boundaries, self.boundary, self.calls = state
+        self.active, self.skip_below, self.outputs, self.args, self.same_args = state
 
     def stop(self) -> None:
-        self.active, self.skip_below, self.outputs, self.calls = False, 0, {}, {}
+        self.active, self.skip_below, self.outputs = False, 0, {}
         self.args, self.same_args = {}, False
-        self.boundaries, self.boundary = frozenset(), None
 
     @staticmethod
     def remove(layers) -> None:

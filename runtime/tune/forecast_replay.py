@@ -1,8 +1,8 @@
 """Replaying a routing trace with a recorded forecast: demand misses, prefetch reads used and wasted.
 
-The live lookahead (runtime/decode/lookahead_prefetch.py) queues a layer's forecast
-experts before the layer's call, protected from eviction until that call. Per call
-of `window` tokens this replay does the same with the live cache's SlotTable:
+A prefetcher that queues a layer's forecast experts before the layer's call, protected from
+eviction until that call (as the router lookahead once did live; docs/flags.md), is replayed
+here. Per call of `window` tokens this replay does so with the live cache's SlotTable:
 1. every forecast expert not resident gets a slot as a prefetch (reserve(prefetch=True),
    evicting by the policy) and is read; resident ones are only protected;
 2. the protection ends (the layer's call begins);
