@@ -14,7 +14,9 @@ so every stream emits the same count): "queue", one stream after another through
 (runtime.decode.generate_tokens, its default path), and "batch", all B inserted into one BatchDecoder
 (runtime/decode/batch.py) at once. The expert cache is emptied before each run. --repeats repeats,
 the two ways interleaved (their order alternates); medians with (min-max) spreads; the batch/queue ratio
-is taken per repeat. Reported: aggregate tok/s (all streams' tokens over the wall time from the first
+is taken per repeat, also on CPU time (tokens per second of this process's CPU time, loader threads included:
+on a machine other work also loads, wall-clock ratios carry that load's swings; CPU ratios much less).
+Reported: aggregate tok/s (all streams' tokens over the wall time from the first
 call to the last token, prefill included), per-stream decode tok/s (a stream's tokens after its first
 over the time between its first and last token; median over streams) and the per-stream latency against
 the single-stream queue (B = 1), experts read per token, and the batch's unique expert lookups per step
@@ -47,7 +49,7 @@ def prompts_for(tokenizer, n: int) -> list[list[int]]:
 
 
 def run_queue(om, prompts, n: int) -> dict:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     c0 = om.counters()["misses"]
     streams, tokens = [], []
     for p in prompts:
@@ -55,11 +57,11 @@ def run_queue(om, prompts, n: int) -> dict:
         toks, _ = generate_tokens(om.model, p, max_tokens=n, om=om, on_token=lambda _t, times=times: times.append(time.perf_counter()))
         streams.append(times)
         tokens.append(toks)
-    return _summary(t0, streams, tokens, om.counters()["misses"] - c0)
+    return _summary(t0, cpu0, streams, tokens, om.counters()["misses"] - c0)
 
 
 def run_batch(om, prompts, n: int) -> dict:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     c0 = om.counters()["misses"]
     with BatchDecoder(om, max_tokens=n) as dec:
         uids = dec.insert(prompts, [n] * len(prompts))
@@ -70,18 +72,19 @@ def run_batch(om, prompts, n: int) -> dict:
             for r in responses:
                 times[r.uid].append(now)
                 tokens[r.uid].append(r.token)
-    out = _summary(t0, [times[u] for u in uids], [tokens[u] for u in uids], om.counters()["misses"] - c0)
+    out = _summary(t0, cpu0, [times[u] for u in uids], [tokens[u] for u in uids], om.counters()["misses"] - c0)
     out["unique_experts_per_step"] = dec.totals.unique_experts / max(1, dec.totals.steps)
     out["summed_experts_per_step"] = dec.totals.summed_experts / max(1, dec.totals.steps)
     out["decode_reads_per_step"] = dec.totals.reads / max(1, dec.totals.steps)
     return out
 
 
-def _summary(t0: float, streams: list[list[float]], tokens: list[list[int]], reads: int) -> dict:
+def _summary(t0: float, cpu0: float, streams: list[list[float]], tokens: list[list[int]], reads: int) -> dict:
+    cpu = time.process_time() - cpu0
     end = max(s[-1] for s in streams)
     n_tokens = sum(len(s) for s in streams)
     per_stream = [(len(s) - 1) / (s[-1] - s[0]) for s in streams if len(s) > 1 and s[-1] > s[0]]
-    return {"aggregate_tps": n_tokens / (end - t0), "stream_tps": statistics.median(per_stream),
+    return {"aggregate_tps": n_tokens / (end - t0), "cpu_tps": n_tokens / cpu, "stream_tps": statistics.median(per_stream),
             "reads_per_token": reads / n_tokens, "tokens": tokens}
 
 
@@ -137,19 +140,20 @@ def main() -> None:
     single = {row["budget"]: [x["stream_tps"] for x in row["queue"]] for row in rows if row["streams"] == 1}
     lines = [f"embedded target (qwen3_moe, 8 MoE layers x 64 experts, top-4), {args.max_tokens} greedy tokens per stream, "
              f"{args.repeats} interleaved repeats, median (min-max)",
-             f"{'budget':<7}{'B':>3}{'queue agg tok/s':>20}{'batch agg tok/s':>21}{'batch/queue':>19}"
+             f"{'budget':<7}{'B':>3}{'queue agg tok/s':>20}{'batch agg tok/s':>21}{'batch/queue':>19}{'batch/queue CPU':>19}"
              f"{'stream tok/s batch':>21}{'latency vs 1':>18}{'reads/tok q':>12}{'reads/tok b':>12}{'unique/summed per step':>24}"]
     for row in rows:
         q, bt = row["queue"], row["batch"]
         ratios = [b["aggregate_tps"] / x["aggregate_tps"] for b, x in zip(bt, q)]
         one = statistics.median(single.get(row["budget"], [float("nan")]))
         latency = [one / b["stream_tps"] for b in bt]  # per-token time of a batched stream / of a lone stream
-        row["ratio"] = ratios
+        cpu_ratios = [b["cpu_tps"] / x["cpu_tps"] for b, x in zip(bt, q)]
+        row["ratio"], row["cpu_ratio"] = ratios, cpu_ratios
         row["latency_vs_single"] = latency
         unique = statistics.median(b["unique_experts_per_step"] for b in bt)
         summed = statistics.median(b["summed_experts_per_step"] for b in bt)
         lines.append(f"{row['budget']:<7}{row['streams']:>3}{med([x['aggregate_tps'] for x in q]):>20}"
-                     f"{med([b['aggregate_tps'] for b in bt]):>21}{med2(ratios):>19}"
+                     f"{med([b['aggregate_tps'] for b in bt]):>21}{med2(ratios):>19}{med2(cpu_ratios):>19}"
                      f"{med([b['stream_tps'] for b in bt]):>21}{med2(latency):>18}"
                      f"{statistics.median(x['reads_per_token'] for x in q):>12.2f}"
                      f"{statistics.median(b['reads_per_token'] for b in bt):>12.2f}"

@@ -120,6 +120,9 @@ run long_context_tight python bench/bench_long_context.py --cap 145000000
 run long_context_giveback python bench/bench_long_context.py --n-experts 256 --cap 150000000 --no-unlimited --planned-context 4096
 run long_context_giveback_160 python bench/bench_long_context.py --n-experts 256 --cap 160000000 --no-unlimited --planned-context 4096
 run prompt_cache python bench/bench_prompt_cache.py --repeats 2
+# several streams at once: batched decoding against the one-at-a-time queue; stock's own batched vs single output
+run batch python bench/bench_batch.py --repeats 7 --max-tokens 48
+run batch_stock_drift python bench/batch_stock_drift.py
 run families python bench/bench_families.py
 run memory python bench/bench_memory.py
 # full scale (bench/capped_run.py; root for the cgroup caps, ~20 GB free in $FULLSCALE_DIR, ~30 min): a 19 GB Qwen3-30B-A3B-shaped checkpoint, stock resident, specmoe 100%, and 4GB/auto budgets and stock under 10.7 and 8 GB caps
