@@ -161,3 +161,27 @@ def test_an_openai_tool_turn_keeps_its_calls_for_the_template():
     req = parse_completion(body, "chat")
     assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert req.messages[2]["tool_call_id"] == "c1" and req.tools == TOOLS and req.tool_choice == "auto"
+
+
+def test_a_waiting_stream_sends_pings_until_the_reply_comes(tokenizer, monkeypatch):
+    import asyncio
+
+    from runtime.serve import anthropic_routes
+    from runtime.serve.queue import JobEvent
+
+    monkeypatch.setattr(anthropic_routes, "PING_S", 0.01)
+
+    async def run() -> list[str]:
+        job = SimpleNamespace(events=asyncio.Queue(), cancel=SimpleNamespace(set=lambda: None))
+        reply = MessageReply("m", ReplySplitter(tokenizer, [1], None), 5)
+        names = []
+        async for e in anthropic_routes._stream(job, reply):
+            names.append(e.split("\n")[0][len("event: "):])
+            if names.count("ping") == 4:  # a slow prefill: nothing came for three ping intervals; now a token
+                job.events.put_nowait(JobEvent("text", text="Hi"))
+                job.events.put_nowait(JobEvent("done", finish_reason="stop", prompt_tokens=5, completion_tokens=1))
+        return names
+
+    names = asyncio.run(asyncio.wait_for(run(), timeout=30))
+    assert names == ["message_start", "ping", "ping", "ping", "ping", "content_block_start", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
