@@ -129,7 +129,7 @@ def serve_backend(backend, config: ServeConfig, model_config: dict, log=print, c
         "; Host checked" if policy.checks_host else "") + (
         f"; CORS for {', '.join(policy.cors_origins)}" if policy.cors_origins else "; no CORS")
     log(f"specmoe serve: {config.model_ref} on http://{config.host}:{config.port}/v1 "
-        f"(OpenAI API; one request at a time; prompts up to {limit} tokens{note}; {access}; Ctrl-C stops)")
+        f"(OpenAI and Anthropic APIs; one request at a time; prompts up to {limit} tokens{note}; {access}; Ctrl-C stops)")
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level,
                                            access_log=config.log_level in ("info", "debug"),
                                            timeout_graceful_shutdown=3, limit_concurrency=limits.max_connections,
