@@ -21,9 +21,9 @@ SUBPACKAGES = sorted(p.parent.name for p in (ROOT / "runtime").glob("*/__init__.
 
 # Lowest first. A module may import its own unit and any unit of a lower layer, nothing else.
 # "runtime.api" is the public API: runtime/__init__.py and the modules directly under runtime/
-# (api.py, run_stats.py, ...). bench/ and tests/ sit
-# above runtime.cli (they may import anything; nothing in the packages imports them), and
-# runtime/data holds data files only (no module: the checker reports any module it cannot place).
+# (api.py, run_stats.py, ...). bench/ and tests/ sit above runtime.cli (they may import anything;
+# nothing in the packages imports them), and runtime/data holds data files only (no module: the
+# checker reports any module it cannot place).
 LAYERS = (
     ("storage", "predictor", "metal", "runtime.checkpoints", "runtime.macos"),
     ("runtime.cache",),
@@ -33,6 +33,7 @@ LAYERS = (
     ("runtime.api",),
     ("runtime.serve", "runtime.pipeline", "runtime.doctor"),
     ("runtime.cli",),
+    ("bench", "tests"),  # not scanned (they may import anything); listed so that no package imports them
 )
 # The one import inside a layer: rank 0 of `specmoe serve --pipeline` serves HTTP through
 # runtime.serve's Backend and server (runtime/pipeline/serving.py); runtime.serve never imports runtime.pipeline.
@@ -149,6 +150,7 @@ def test_layer_checker_catches_upward_imports_in_a_planted_tree(tmp_path):
         "runtime/pipeline/__init__.py": "from runtime.serve import app\nfrom runtime.doctor import probe\n",
         "runtime/doctor/__init__.py": "",
         "runtime/decode/dynamic.py": "import importlib\nimportlib.import_module('runtime.cli')\n__import__('storage')\n",
+        "runtime/cli/bench_hook.py": "def f():\n    from bench.tiny_corpus import read\n",
         "runtime/cli/__init__.py": "from runtime import load\n",
         "runtime/extra/__init__.py": "",
     }
@@ -164,6 +166,7 @@ def test_layer_checker_catches_upward_imports_in_a_planted_tree(tmp_path):
         "runtime/extra/__init__.py: runtime.extra is in no layer; place its package in LAYERS",
         "runtime/observe/__init__.py:2: runtime.observe: import runtime.stats (runtime.api, a higher layer)",
         "runtime/decode/dynamic.py:2: runtime.decode: import_module('runtime.cli') (runtime.cli, a higher layer)",
+        "runtime/cli/bench_hook.py:2: runtime.cli: from bench.tiny_corpus import read (bench, a higher layer)",
     ])
 
 
