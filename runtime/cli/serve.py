@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
         pipeline_timeout: float = opt.pipeline_timeout_option(),
         adaptive_k: bool = opt.adaptive_k_option(),
     ):
-        """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
+        """Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (chat, messages, tools, streaming)."""
         from runtime.serve import RequestLimits, SamplingDefaults, ServeConfig, bind, run_server
 
         eo.check_one_sync(one_sync)
