@@ -145,8 +145,10 @@ def test_identical_prompts_read_one_sequences_experts(tiny_dirs):
         steps = []
         with BatchDecoder(om, on_step=steps.append) as dec:
             dec.insert([ids] * 4, [6] * 4)
+            assert dec.next() and dec.n_active == 4
             while dec.next():
                 pass
+            assert dec.n_active == 0
         n_layers, k = len(om.moe_layers), om.top_k
         assert steps and all(s.n_sequences == 4 for s in steps)
         assert all(s.unique_experts == n_layers * k and s.summed_experts == 4 * n_layers * k for s in steps)

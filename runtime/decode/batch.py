@@ -75,6 +75,23 @@ class BatchTotals:
         return self.unique_experts / self.summed_experts if self.summed_experts else 1.0
 
 
+def _batch_cache(gen: BatchGenerator, batch: str):
+    """The KV cache list of the generator's generation or prompt batch (mlx-lm 0.32's private attributes, read
+    only): a forward is named by the cache it is given. Absent (another mlx-lm), None: every forward runs plain."""
+    return getattr(getattr(gen, batch, None), "prompt_cache", None)
+
+
+def _reads(om) -> tuple[int, int]:
+    """(demand misses, bytes read) since load: the two counters a step reports."""
+    return sum(s.misses for s in om.cache.stats().values()), om.loader.stats.bytes_read
+
+
+def _distinct_per_row(ids: np.ndarray) -> int:
+    """Sum over the rows of (N, k) ids of each row's distinct ids."""
+    ordered = np.sort(ids, axis=1)
+    return ids.shape[0] + int(np.count_nonzero(np.diff(ordered, axis=1)))
+
+
 class _PagedView:
     """What BatchGenerator is given as its model: om.model's attributes, and a call that names the forward.
 
@@ -117,25 +134,25 @@ class BatchDecoder:
     # -- the forwards BatchGenerator builds ------------------------------------------------
     def _forward(self, inputs, cache, **kwargs):
         om, gen = self.om, self.generator
-        if cache is gen._generation_batch.prompt_cache:
+        if cache is _batch_cache(gen, "_generation_batch"):
             return self._decode_forward(inputs, cache, **kwargs)
-        c0 = om.counters()["misses"]
+        c0 = _reads(om)[0]
         try:
-            if cache is gen._prompt_batch.prompt_cache:  # a prompt chunk: mlx-lm evaluates the caches only
+            if cache is _batch_cache(gen, "_prompt_batch"):  # a prompt chunk: mlx-lm evaluates the caches only
                 om.label_round("batch prefill")
                 with kv_only(om):
                     return om.model(inputs, cache=cache, **kwargs)
             om.label_round("batch first token")
             return om.model(inputs, cache=cache, **kwargs)
         finally:
-            self.totals.prefill_reads += om.counters()["misses"] - c0
+            self.totals.prefill_reads += _reads(om)[0] - c0
 
     def _decode_forward(self, inputs, cache, **kwargs):
         om = self.om
         om.label_round("batch decode")
         saved = {layer: m.observer for layer, m in om.modules.items()}
         self._routes = []
-        c0 = om.counters()
+        c0 = _reads(om)
         try:
             for m in om.modules.values():
                 m.observer = self._observe
@@ -144,13 +161,13 @@ class BatchDecoder:
             for layer, m in om.modules.items():
                 m.observer = saved[layer]
             routes, self._routes = self._routes, None
-        c1 = om.counters()
+        c1 = _reads(om)
         step = BatchStepStats(
             n_sequences=int(inputs.shape[0]),
-            unique_experts=sum(len(np.unique(ids)) for ids in routes),
-            summed_experts=sum(sum(len(np.unique(row)) for row in ids) for ids in routes),
-            reads=int(c1["misses"] - c0["misses"]),
-            bytes_read=int(c1["bytes_read"] - c0["bytes_read"]))
+            unique_experts=sum(np.unique(ids).size for ids in routes),
+            summed_experts=sum(_distinct_per_row(ids) for ids in routes),
+            reads=int(c1[0] - c0[0]),
+            bytes_read=int(c1[1] - c0[1]))
         self.totals.add(step)
         self.last_step = step
         if self.on_step is not None:
@@ -184,7 +201,7 @@ class BatchDecoder:
     @property
     def n_active(self) -> int:
         """Sequences decoding now (the generation batch's size)."""
-        return len(self.generator._generation_batch)
+        return len(getattr(self.generator, "_generation_batch", None) or ())
 
     def close(self) -> None:
         """Release the modules' pending outputs (their slots unpinned) and the generator's wired limit."""
