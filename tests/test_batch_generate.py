@@ -172,6 +172,20 @@ def test_batch_generate_equals_mlx_lm_batch_generate(tiny_dirs):
     assert 0 < r.experts.unique_experts <= r.experts.summed_experts
 
 
+def test_batch_generate_with_a_smaller_batch_than_prompts(tiny_dirs):
+    """Five prompts, at most two decoding at once: the others wait and join as sequences finish (mlx-lm's
+    continuous batching), at a 25% budget; the same tokens as mlx-lm's batch_generate with the same sizes."""
+    path = tiny_dirs["gpt_oss"]
+    model, tok = stock_load(str(path))
+    sizes = dict(completion_batch_size=2, prefill_batch_size=2)
+    ref = stock_batch_generate(model, tok, [tok.encode(t) for t in TEXTS], max_tokens=MAX_TOKENS,
+                               return_token_ids=True, **sizes)
+    with load(path, budget="25%", memory_limit=None) as engine:
+        r = batch_generate(engine, TEXTS, max_tokens=MAX_TOKENS, return_token_ids=True, **sizes)
+    assert r.token_ids == ref.token_ids
+    assert r.experts.steps > max(MAX_TOKENS)  # not all five at once
+
+
 def test_batch_generate_refuses_bad_input(tiny_dirs, tmp_path):
     with load(tiny_dirs["qwen3_moe"], budget="50%", memory_limit=None) as engine:
         with pytest.raises(ValueError, match="prompts is empty"):
