@@ -1,4 +1,4 @@
-"""Two interleavings of a memory-governor shrink with pipelined forwards that once produced wrong tokens, unflagged.
+"""Interleavings of a memory-governor shrink with pipelined forwards that once produced wrong tokens, unflagged.
 
 A layer whose every expert sits in the slot numbered like it (a 100% budget, or a per-layer split that leaves one
 layer whole) takes its router's ids as slots (runtime/cache/cached_switch.py, ids_are_slots): the slot numbers are
@@ -10,8 +10,11 @@ trimmed, evicted or zeroed) from that build to the forward's sync.
   holds them from its build. (When B was queued only once it became pending, as while repairs were frequent, the
   trim did zero them: other tokens, no repair.) The device is modelled as slow (mx.async_eval queues nothing; the
   graph runs at the next sync), a legal schedule.
+- Between a staged forward's route syncs (when forwards were staged): each released the forward's holds around its
+  layer's reads, and a pending shrink was trimmed then in its later, already built layers, those taking ids as
+  slots included. Found by the differential harness (bench/stress_schedules.py, schedule 5).
 
-The test compares every token with stock mlx-lm.
+The tests compare every token with stock mlx-lm (the last one the log-probabilities too).
 """
 
 from __future__ import annotations
