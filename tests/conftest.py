@@ -39,6 +39,12 @@ def packed_dirs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
     return {fam: convert(src, root / fam) for fam, src in tiny_dirs.items()}
 
 
+# One family per structural kind, for per-family checks whose full matrix runs in the long tier: plain KV +
+# switch_mlp; hybrid linear-attention state + shared expert; rotating KV + MXFP4 experts with biases; shared
+# experts with grouped sigmoid routing.
+REPRESENTATIVE_FAMILIES = ("qwen3_moe", "qwen3_next", "gpt_oss", "deepseek_v3")
+
+
 def long_tier(values, keep) -> list:
     """Parameters for a full matrix: the values in `keep` run by default, the others in the long tier."""
     return [v if v in keep else pytest.param(v, marks=pytest.mark.long) for v in values]

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from runtime.checkpoints.tiny import FAMILIES
 from runtime.decode.kv_only import SkippedExperts, kv_only, last_layer_experts
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
-from tests.conftest import PROMPT
+from tests.conftest import PROMPT, REPRESENTATIVE_FAMILIES, long_tier
 
 LONG = (PROMPT + " ") * 4
 
@@ -35,7 +35,9 @@ def _prefill(om, ids, skip: bool):
     return _states(cache), set(routed), om.counters()["misses"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Representative families by default (plain KV + switch_mlp, hybrid linear-attention state, rotating KV with MXFP4
+# experts and biases, shared experts with grouped routing); every family in the long tier (`pytest -m long`).
+@pytest.mark.parametrize("family", long_tier(FAMILIES, keep=REPRESENTATIVE_FAMILIES))
 def test_kv_only_chunk_writes_the_same_cache_without_the_last_layers_experts(family, tiny_dirs):
     path = tiny_dirs[family]
     om = OffloadedModel.load(path, OffloadConfig(budget="25%"))

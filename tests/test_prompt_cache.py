@@ -12,12 +12,14 @@ from runtime.checkpoints.tiny import FAMILIES
 from runtime.decode import generate_tokens
 from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.decode.prompt_cache import PromptCache
-from tests.conftest import PROMPT, greedy_ids, run_cli
+from tests.conftest import PROMPT, REPRESENTATIVE_FAMILIES, greedy_ids, long_tier, run_cli
 
 N = 6
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Representative families by default (plain KV + switch_mlp, hybrid linear-attention state, rotating KV with MXFP4
+# experts and biases, shared experts with grouped routing); every family in the long tier (`pytest -m long`).
+@pytest.mark.parametrize("family", long_tier(FAMILIES, keep=REPRESENTATIVE_FAMILIES))
 def test_second_turn_prefills_only_its_tokens_and_equals_a_fresh_run(family, tiny_dirs):
     path = tiny_dirs[family]
     stock, tok = load(str(path))
