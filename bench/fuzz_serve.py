@@ -10,6 +10,10 @@ unfinished request line until the header deadline (10 s) closes it (status 0). A
 bodies at once, over --max-connections: uvicorn answers 503 to those past the limit, reported apart
 (a capacity answer, not a mishandled client error).
 
+Then `--largest` prompts as large as the default body cap (2 MiB) go to a server with default limits:
+each is tokenized (off the event loop) and refused as too long; the slowest /health meanwhile and the
+RSS are reported.
+
 Reported: requests tried, responses by status (0: the server closed without answering), 5xx count
 outside floods (must be 0: every case here is a client's fault), the slowest /health
 answer while under attack, the server's RSS growth (max over the run), its open file descriptors
@@ -155,11 +159,56 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def largest_bodies(n: int) -> dict:
+    """A server with the default limits sent `n` prompts as large as the default body cap accepts (far over
+    the prompt limit): each is read, parsed and tokenized off the event loop, then refused with 400. Meanwhile
+    /health is polled every 50 ms. Returns the statuses, seconds per request, the slowest /health and RSS."""
+    import psutil
+
+    from runtime.checkpoints import embedded_pair
+    from runtime.serve import DEFAULT_MAX_BODY_BYTES
+    from tests.serve_process import get_json, post_raw, serve_process
+
+    text = "the king " * ((DEFAULT_MAX_BODY_BYTES - 200) // 9)
+    body = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve_largest_{os.getpid()}.log"
+    with serve_process(["-m", str(embedded_pair().target)], log) as (base, proc):
+        p = psutil.Process(proc.pid)
+        rss0 = rss_max = p.memory_info().rss
+        worst, done = [0.0], threading.Event()
+
+        def poll() -> None:
+            nonlocal rss_max
+            while not done.is_set():
+                t0 = time.monotonic()
+                get_json(base + "/health")
+                worst[0] = max(worst[0], time.monotonic() - t0)
+                rss_max = max(rss_max, p.memory_info().rss)
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        statuses, seconds = Counter(), []
+        for _ in range(n):
+            t0 = time.monotonic()
+            statuses[post_raw(base + "/v1/chat/completions", body, timeout=300)[0]] += 1
+            seconds.append(time.monotonic() - t0)
+        done.set()
+        poller.join()
+        time.sleep(5)
+        rss_after = p.memory_info().rss
+    return {"n": n, "body_bytes": len(body), "statuses": {str(k): v for k, v in statuses.items()},
+            "seconds": [round(x, 2) for x in seconds], "health_max_ms": round(worst[0] * 1000, 1),
+            "rss_before_bytes": rss0, "rss_max_bytes": rss_max, "rss_after_bytes": rss_after}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=500, help="requests to send")
     ap.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_fuzz.txt"), help="report file")
+    ap.add_argument("--largest", type=int, default=5,
+                    help="then this many bodies of the default cap's size to a server with default limits (0: skip)")
     args = ap.parse_args()
     from runtime.checkpoints import embedded_pair
     from tests.serve_process import free_port, wait_for_health
@@ -209,6 +258,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    big = largest_bodies(args.largest) if args.largest else None
     n5xx = sum(n for s, n in statuses.items() if s >= 500)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
     lines = [f"# serve fuzz: {datetime.now(timezone.utc):%Y-%m-%dT%H:%MZ}, load average {load}, seed {args.seed}, "
@@ -224,11 +274,17 @@ def main() -> int:
              f"next valid request    {'same text as before the run' if still_right else 'DIFFERENT TEXT'}",
              f"queue                 {stats['queue']}",
              "cases                 " + ", ".join(f"{k}: {n}" for k, n in sorted(cases.items()))]
+    if big is not None:
+        lines += [f"largest bodies        {big['n']} prompts of {big['body_bytes']} bytes to a server with default limits: "
+                  f"statuses {big['statuses']}, {min(big['seconds']):.1f}-{max(big['seconds']):.1f} s each (read, "
+                  f"parsed and tokenized off the event loop); slowest /health meanwhile {big['health_max_ms']:.0f} ms; "
+                  f"RSS {big['rss_before_bytes'] / 1e6:.0f} MB before, {big['rss_max_bytes'] / 1e6:.0f} MB at most, "
+                  f"{big['rss_after_bytes'] / 1e6:.0f} MB 5 s after"]
     summary = {"requests": sent, "statuses": {str(k): v for k, v in sorted(statuses.items())}, "n_5xx": n5xx,
                "flood_statuses": {str(k): v for k, v in sorted(flood.items())},
                "health_max_ms": round(health_max_s * 1000, 1), "rss_before_bytes": rss0,
                "rss_max_growth_bytes": rss_max - rss0, "fds_before": fds0, "fds_after": fds1,
-               "next_request_correct": still_right, "load_average": load, "wall_s": round(wall_s, 1)}
+               "next_request_correct": still_right, "load_average": load, "wall_s": round(wall_s, 1), "largest": big}
     text = "\n".join(lines) + "\n" + json.dumps(summary) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
