@@ -13,7 +13,7 @@ queued, disk faults, and events at token boundaries:
 - the device: "async" (as it runs), "lazy" (mx.async_eval queues nothing: a queued graph runs at the next sync, as
   a busy device would run it) or "eager" (mx.async_eval evaluates at once), both legal schedules of an
   asynchronous device, patched into the runtime.decode modules only for the run.
-Staged builds, repairs and evictions follow from the budgets, shrinks and misses.
+Repairs, evictions and (where the engine has them) staged builds follow from the budgets, shrinks and misses.
 
 What is compared (run_schedule):
 - plain decoding: every token and its log-probabilities, exactly (np.array_equal), with stock mlx-lm's
@@ -63,7 +63,7 @@ class Schedule:
     budget: str  # a share, or "split": 100% with some layers shrunk (the others whole, ids as slots)
     mode: str  # "plain" or "spec"
     sampling: str  # "greedy" or "seeded"
-    one_sync: str  # plain: "auto", "on" or "off"; spec: its SpecConfig.one_sync
+    one_sync: str  # plain: "auto", "on", "off" (device passes as runtime/decode/plain.py picks); spec: SpecConfig
     device: str  # "async", "lazy" or "eager"
     faults: str  # storage.faults spec ("" none)
     n_tokens: int
@@ -104,7 +104,8 @@ def make_schedule(seed: int, families=FAMILIES, budgets=BUDGETS, modes=MODES, sa
     split = ()
     if budget == "split":  # at least one layer whole and one short
         whole = r.randrange(TINY["layers"])
-        split = tuple((i, r.randint(TINY["top_k"], TINY["n_experts"] // 2)) for i in range(TINY["layers"]) if i != whole)
+        split = tuple((i, r.randint(TINY["top_k"], TINY["n_experts"] // 2))
+                      for i in range(TINY["layers"]) if i != whole)
     kinds = [k for k in ("slow", "eio", "eintr", "short") if r.random() < 0.4]
     faults = ";".join(f"slow:ms={r.choice([0.2, 1, 3])},p=0.3,seed={seed}" if k == "slow" else
                       f"{k}:after={r.randint(0, 60)},times={1 if k == 'short' else r.randint(1, 2)}" for k in kinds)
@@ -262,6 +263,19 @@ def _apply_event(om, kind: str, args: tuple, round_id: int) -> None:
             om.loader.cancel_stale(round_id + 1)
 
 
+def _uses_pass(om, one_sync: str) -> bool:
+    """Whether plain decoding with --one-sync `one_sync` runs device passes, as runtime/decode/plain.py decides it:
+    "on" always, "off" never, "auto" while every layer's usable slots hold all its experts (where the engine has
+    that rule; else always)."""
+    if one_sync != "auto":
+        return one_sync == "on"
+    try:
+        from runtime.decode.plain import holds_every_expert
+    except ImportError:
+        return True
+    return holds_every_expert(om)
+
+
 def _pass_options(one_sync: str) -> dict:
     """DevicePass options of a plain decode's --one-sync, as runtime/decode/plain.py passes them (where the pass
     takes a segment setting: "auto" learns routed layers and segments, "on" keeps one sync)."""
@@ -292,7 +306,7 @@ def _run(s: Schedule, refs: References) -> tuple[list, list, int, int]:
                 cache = make_prompt_cache(om.model)
                 sampler = position_sampler(cache, s.seed) if s.sampling == "seeded" else \
                     (lambda x: mx.argmax(x, axis=-1))
-                if s.one_sync == "off":
+                if not _uses_pass(om, s.one_sync):
                     steps = generate_step(mx.array(ids), om.model, max_tokens=s.n_tokens, sampler=sampler,
                                           prompt_cache=cache)
                     repairs = lambda: 0  # noqa: E731

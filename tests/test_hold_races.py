@@ -103,14 +103,16 @@ def test_a_shrink_around_a_next_forwards_build_keeps_stock_tokens(tiny_dirs, sto
         om.close()
 
 
-def test_a_shrink_between_a_staged_forwards_route_syncs_keeps_stock_tokens(tiny_dirs):
+@pytest.mark.parametrize("one_sync", ["auto", "on"])
+def test_a_shrink_between_a_staged_forwards_route_syncs_keeps_stock_tokens(tiny_dirs, one_sync):
     """A staged forward is built whole; each route sync releases the forward's holds around its layer's reads. A
     shrink applied just before (the next usable_now()) is trimmed at that release in every layer, the later ones
     included: a later layer that took its ids as slots would then read trimmed slots. A per-layer split (the last
     MoE layer whole), routes learnt, one shrink to 11 slots after the second token (bench/stress_schedules.py's
-    schedule 5, found by the harness: other tokens and logits, no repair, before staged forwards looked up)."""
+    schedule 5, found by the harness: other tokens and logits, no repair, before staged forwards looked up). "auto"
+    is the engine's default (staged forwards where the engine builds them), "on" a device pass whatever the budget."""
     harness = load_bench_script("stress_schedules")
-    schedule = harness.Schedule(5, "mixtral", "split", "plain", "greedy", "auto", "async", "", 12, ((0, 15), (1, 14)),
+    schedule = harness.Schedule(5, "mixtral", "split", "plain", "greedy", one_sync, "async", "", 12, ((0, 15), (1, 14)),
                                 ((1, "resize", (11, True)),))
     refs = harness.References(dict(tiny_dirs))
     out = harness.run_schedule(schedule, refs)
