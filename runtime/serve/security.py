@@ -55,7 +55,8 @@ class AccessPolicy:
             raise ValueError("--api-key is empty; expected a non-empty token (or leave it out)")
         for origin in self.cors_origins:
             scheme, sep, rest = origin.partition("://")
-            if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+            scheme_ok = scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)  # also chrome-extension
+            if origin != "*" and (not sep or not scheme_ok or not rest or "/" in rest):
                 raise ValueError(f"--cors-origin {origin!r}; expected an origin as browsers send it, "
                                  "e.g. http://localhost:3000 (scheme and host, no path), or *")
 
