@@ -5,8 +5,9 @@ resident model given the same prompts and the same schedule of inserts, removals
 every family of the tiny fixtures at budgets 100%, 50% and 25%, with sequences of different prompt and
 output lengths that join between steps and one that is removed (a cancelled request) mid-stream; also
 when the cache shrinks to its minimum mid-batch (memory pressure: the union then exceeds a layer's slots
-and runs expert-major). A planted wrong slot (every sequence of a batched call given the first sequence's slots) is caught. The
-counters are checked against a case whose answer is known: identical prompts route identically, so a
+and runs expert-major); and for random schedules of joins, leaves and steps at 25% (hypothesis). A planted
+wrong slot (every sequence of a batched call given the first sequence's slots) is caught. The counters are
+checked against a case whose answer is known: identical prompts route identically, so a
 step's union is one sequence's experts.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm import batch_generate as stock_batch_generate
 from mlx_lm import load as stock_load
 from mlx_lm.generate import BatchGenerator
@@ -93,6 +96,56 @@ def test_tokens_equal_stock_batch_generator_with_joins_and_a_leave(family, tiny_
             assert all(int(om.cache.table.layers[l].pins.sum()) == 0 for l in om.moe_layers)  # nothing held after close
         finally:
             om.close()
+
+
+EVENT = st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.tuples(st.lists(st.integers(1, 300), min_size=1, max_size=24),
+                                                    st.integers(1, 9)), min_size=1, max_size=3)),
+    st.tuples(st.just("remove"), st.integers(0, 7)),
+    st.tuples(st.just("step"), st.integers(1, 3)))
+
+
+def run_events(next_step, insert, remove, events) -> dict[int, list[int]]:
+    """Play a schedule (inserts, removals of the n-th inserted sequence, steps), then step to the end."""
+    uids, out = [], {}
+    for kind, arg in events:
+        if kind == "insert":
+            for uid in insert([p for p, _ in arg], [m for _, m in arg]):
+                uids.append(uid)
+                out[uid] = []
+        elif kind == "remove":
+            if arg < len(uids):
+                remove([uids[arg]])
+        else:
+            for _ in range(arg):
+                for r in next_step():
+                    out[r.uid].append(r.token)
+    while responses := next_step():
+        for r in responses:
+            out[r.uid].append(r.token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def squeezed_qwen(tiny_dirs):
+    stock, _ = stock_load(str(tiny_dirs["qwen3_moe"]))
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
+    yield stock, om
+    om.close()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=st.lists(EVENT, min_size=1, max_size=8))
+def test_random_schedules_equal_stock(events, squeezed_qwen):
+    """Random joins, leaves and steps (prompts of 1-24 tokens, 1-9 tokens each) at 25%: stock's tokens."""
+    stock, om = squeezed_qwen
+    gen = BatchGenerator(stock, stop_tokens=None)
+    try:
+        expected = run_events(gen.next_generated, gen.insert, gen.remove, events)
+    finally:
+        gen.close()
+    with BatchDecoder(om) as dec:
+        assert run_events(dec.next, dec.insert, dec.remove, events) == expected
 
 
 def test_a_wrong_slot_for_the_other_sequences_is_caught(tiny_dirs, stock_runs, monkeypatch):
