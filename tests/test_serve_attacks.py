@@ -1,13 +1,14 @@
 """Attacks on a real `specmoe serve` process (uvicorn on 127.0.0.1): unterminated and slow bodies,
 oversized and chunked bodies, disconnects mid-body, more connections than allowed, a generation
 that would run on; a busy port; slow headers on uvicorn's protocol. After each batch: /health
-answers, the file descriptors the server holds are back where they were, RSS has not run away,
+answers, the file descriptors the server holds stay under --max-connections and are back where they were, RSS has not run away,
 and the next valid request gives the right text.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -81,12 +82,14 @@ def _settled(base: str, pid: int, reference: str, fds0: int, rss0: int) -> None:
 def test_unterminated_bodies_get_408_and_their_connections_close(server, reference):
     base, pid = server
     fds0, rss0 = open_fds(pid), psutil.Process(pid).memory_info().rss
-    for n, allowed in ((10, {408}), (40, {408, 503})):  # then more than --max-connections 24: 503 for some
+    for n, allowed in ((10, {408}), (100, {408, 503})):  # then more than --max-connections 24: 503 for some
         socks = []
         for _ in range(n):
             s = _connect(base)
             s.sendall(_head(1000) + b'{"messages": [')
             socks.append(s)
+        time.sleep(0.3)
+        assert open_fds(pid) <= fds0 + 24 + 4  # a flood holds at most --max-connections descriptors
         t0 = time.monotonic()
         statuses = []
         for s in socks:
@@ -186,8 +189,9 @@ def _dribble(port: int) -> tuple[bytes | None, float]:
 
 
 def test_slow_headers_are_cut_off_by_the_protocol_deadline():
-    """uvicorn with headers_within(0.5): a request line dribbled in is closed; a prompt one is served.
-    With uvicorn's stock h11 protocol (the contrast) the same dribble is still connected after 2 s."""
+    """uvicorn with headers_within(0.5): a request line dribbled in is closed, 40 silent connections over
+    limit_concurrency 10 are closed at once, and a prompt request is served. With uvicorn's stock h11 protocol
+    (the contrast) the dribble is still connected after 2 s and the server holds all 40."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
@@ -198,7 +202,8 @@ def test_slow_headers_are_cut_off_by_the_protocol_deadline():
     app = Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))])
     for protocol, closes in ((headers_within(0.5), True), ("h11", False)):
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=protocol))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=protocol,
+                                               limit_concurrency=10))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         try:
@@ -206,6 +211,13 @@ def test_slow_headers_are_cut_off_by_the_protocol_deadline():
                 time.sleep(0.05)
             data, _ = _dribble(port)
             assert (data == b"") if closes else (data is None), (protocol, data)
+            fds0 = open_fds(os.getpid())  # client and server sides both live in this process
+            flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(40)]
+            time.sleep(0.3)
+            server_side = open_fds(os.getpid()) - fds0 - len(flood)  # connections the server still holds
+            for c in flood:
+                c.close()
+            assert server_side <= 10 if closes else server_side >= 30, (protocol, server_side)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
                 s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 assert _answer(s)[0] == 200

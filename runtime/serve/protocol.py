@@ -7,8 +7,14 @@ returns an h11 protocol class that closes a connection whose request has not rea
 its headers `seconds` after the connection opened or the previous response ended. Once the
 headers are in, the app's own body deadline (runtime.serve.limits.read_body) takes over.
 
+uvicorn's `limit_concurrency` answers 503 only once a request's headers are in, so connections that
+never send them still hold descriptors until the deadline. A connection opened while
+`limit_concurrency` are already open is answered 503 at once and closed, so the descriptors a flood
+can hold stay near that limit (macOS allows a process 256 by default).
+
 Invariants: a connection waiting for headers lives at most `seconds` (plus the event loop's
-timer slack); a request whose headers arrived in time is never cut by this deadline.
+timer slack); a request whose headers arrived in time is never cut by this deadline; at most
+`limit_concurrency` connections stay open.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["headers_within"]
 
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+         b"content-length: 27\r\n\r\nExceeded concurrency limit.")
+
 
 def headers_within(seconds: float) -> type:
     class BoundedH11Protocol(H11Protocol):
@@ -24,6 +33,10 @@ def headers_within(seconds: float) -> type:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
+                transport.write(_BUSY)  # over --max-connections: answered and closed before anything is read
+                transport.close()
+                return
             self._arm()
 
         def connection_lost(self, exc) -> None:
