@@ -5,7 +5,8 @@ resident model given the same prompts and the same schedule of inserts, removals
 every family of the tiny fixtures at budgets 100%, 50% and 25%, with sequences of different prompt and
 output lengths that join between steps and one that is removed (a cancelled request) mid-stream; also
 when the cache shrinks to its minimum mid-batch (memory pressure: the union then exceeds a layer's slots
-and runs expert-major); and for random schedules of joins, leaves and steps at 25% (hypothesis). A planted
+and runs expert-major); and for random schedules of joins, leaves and steps at 25% (hypothesis). The long
+tier adds every family at the minimum budget (top-k slots per layer). A planted
 wrong slot (every sequence of a batched call given the first sequence's slots) is caught. The counters are
 checked against a case whose answer is known: identical prompts route identically, so a
 step's union is one sequence's experts.
@@ -146,6 +147,22 @@ def test_random_schedules_equal_stock(events, squeezed_qwen):
         gen.close()
     with BatchDecoder(om) as dec:
         assert run_events(dec.next, dec.insert, dec.remove, events) == expected
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokens_equal_stock_at_the_minimum_budget(family, tiny_dirs, stock_runs):
+    """The smallest budget that runs (top-k slots per layer): every batched step's union exceeds the slots."""
+    prompts, expected = stock_runs[family]
+    probe = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget="100%"))
+    minimum = probe.plan.min_bytes
+    probe.close()
+    om = OffloadedModel.load(tiny_dirs[family], OffloadConfig(budget=f"{minimum}B"))
+    try:
+        assert all(om.cache.usable_slots(l) == om.top_k for l in om.moe_layers)
+        assert paged_tokens(om, prompts) == expected
+    finally:
+        om.close()
 
 
 def test_a_wrong_slot_for_the_other_sequences_is_caught(tiny_dirs, stock_runs, monkeypatch):
