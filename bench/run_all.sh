@@ -123,6 +123,7 @@ run prompt_cache python bench/bench_prompt_cache.py --repeats 2
 # several streams at once: batched decoding against the one-at-a-time queue; stock's own batched vs single output
 run batch python bench/bench_batch.py --repeats 7 --max-tokens 48
 run batch_goal python bench/bench_batch.py --budgets 25% --streams 1,4 --repeats 15 --max-tokens 48  # the goal's row alone
+run batch_plot python bench/plot_batch.py "$OUT/batch.txt" --plot docs/img/batch.png
 run batch_stock_drift python bench/batch_stock_drift.py
 run families python bench/bench_families.py
 run memory python bench/bench_memory.py
