@@ -183,7 +183,7 @@ def write_checkpoint(out: str | Path, preset: str, *, layers: int | None = None,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", required=True, help=f"one of {', '.join(PRESET_FAMILIES)}")
-    ap.add_argument("--out", required=True, help="a new directory (put it on a disk with room: ~13-22 GB)")
+    ap.add_argument("--out", required=True, help="a new directory (put it on a disk with room: 11-22 GB)")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all)")
     ap.add_argument("--dtype", default="float32", help="scales/biases/norms: float32 (fast on CPU) or bfloat16 (as published)")
     ap.add_argument("--skew", type=float, default=0.0, help="router skew S >= 0: a few experts popular (0 = uniform)")
