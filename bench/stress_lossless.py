@@ -149,13 +149,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mutations", action="store_true",
                     help="then plant each defect in turn and count the schedules, from --seed on, until one fails")
     ap.add_argument("--max-schedules", type=int, default=60, help="--mutations: give up on a defect after this many")
+    ap.add_argument("--mutation-starts", type=int, default=1,
+                    help="--mutations: count from this many start seeds (--seed, --seed + 1000, ...)")
     args = ap.parse_args(argv)
     families = tuple(args.families.split(","))
     bad = [f for f in families if f not in FAMILIES]
     problem = (f"--families {','.join(bad)}: expected some of {','.join(FAMILIES)}" if bad else
                f"--schedules {args.schedules}: expected >= 1" if args.schedules < 1 else
                f"--tokens {args.tokens}: expected >= 2" if args.tokens < 2 else
-               f"--max-schedules {args.max_schedules}: expected >= 1" if args.max_schedules < 1 else "")
+               f"--max-schedules {args.max_schedules}: expected >= 1" if args.max_schedules < 1 else
+               f"--mutation-starts {args.mutation_starts}: expected >= 1" if args.mutation_starts < 1 else "")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -174,14 +177,19 @@ def main(argv=None) -> int:
         result = {"schedules": len(outs), **rows[("all", "", "")],
                   "failed_seeds": [o.schedule.seed for o in outs if o.failed]}
         if args.mutations:
+            starts = [args.seed + 1000 * i for i in range(args.mutation_starts)]
             result["mutations"] = {}
-            print(f"\n{'mutation':<22} {'schedules to catch':>18}  first failing schedule (from seed {args.seed})")
+            print(f"\n{'mutation':<22} {'schedules to catch from seed ' + ', '.join(map(str, starts)):>40}  "
+                  f"first failing schedule")
             for name, plant in MUTATIONS.items():
-                n, out = schedules_to_catch(refs, plant, args.seed, args.max_schedules, families, args.tokens)
-                what = (out.error or f"{out.mismatches} tokens, {out.logit_mismatches} logits differ") if out else ""
-                print(f"{name:<22} {n if n else f'> {args.max_schedules}':>18}  "
-                      f"{out.schedule.label() + ': ' + what if out else ''}")
-                result["mutations"][name] = n
+                found = [schedules_to_catch(refs, plant, s, args.max_schedules, families, args.tokens) for s in starts]
+                counts = [n for n, _ in found]
+                first = next((out for _, out in found if out is not None), None)
+                what = (first.error or f"{first.mismatches} tokens, {first.logit_mismatches} logits differ") \
+                    if first else ""
+                shown = ", ".join(str(n) if n else f"> {args.max_schedules}" for n in counts)
+                print(f"{name:<22} {shown:>40}  {first.schedule.label() + ': ' + what if first else ''}")
+                result["mutations"][name] = counts
     result.update(seed=args.seed, families=list(families), seconds=round(time.perf_counter() - t0, 1),
                   load_average=round(os.getloadavg()[0], 2))
     print(json.dumps(result))
