@@ -44,7 +44,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from runtime.cache import DEFAULT_POLICY, BudgetPlan, GovernorConfig
-from runtime.decode import OffloadConfig, OffloadedModel, load_drafter, release_drafter, speculative_decoder, stream_tokens
+from runtime.decode import (OffloadConfig, OffloadedModel, default_predictor, load_drafter, release_drafter,
+                            speculative_decoder, stream_tokens)
 from runtime.run_stats import PhaseStats, RunMeter, RunStats, SpeculativeStats, Totals
 
 __all__ = ["load", "stream_generate", "generate", "Engine", "GenerationResponse", "DraftSettings", "RunStats",
@@ -136,6 +137,7 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
         raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
     notes = []
     settings = None
+    asked_predictor = predictor is not None  # named by the caller (resolve_settings fills it in otherwise)
     if draft is not None:
         from runtime.tune import resolve_settings
 
@@ -162,6 +164,15 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
         except BaseException:
             om.close()
             raise
+        # spmoe by default only where it runs as is: a drafter of another width without a fitted projection falls
+        # back to a predictor that needs none, with one note (runtime/decode/predictor_default.py)
+        chosen, note = default_predictor(settings.predictor, asked_predictor, om.store.model_dir, om.config,
+                                         settings.path, engine._draft_config, settings.projection)
+        if note:
+            from dataclasses import replace
+
+            engine.draft = replace(settings, predictor=chosen)
+            notes.append(note)
     return engine
 
 

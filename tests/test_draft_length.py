@@ -24,12 +24,24 @@ def _run(length: DraftLength, accept, rounds: int) -> list[int]:
 
 def test_never_accepted_drafts_fall_back_to_plain_rounds_with_growing_probes():
     ks = _run(DraftLength(4), lambda k: 0, 60)
-    assert ks[:2] == [4, 3] and 0 in ks[:6]  # down to 0 within a few rounds
-    probes = [i for i, k in enumerate(ks) if k == 1 and i > 6]
+    assert ks[:2] == [4, 0]  # a first round rejected outright: no more drafting until the probe
+    probes = [i for i, k in enumerate(ks) if k == 1]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # failed probes wait longer each time
     assert sum(ks) < 0.2 * 4 * len(ks)  # a small share of the fixed-K drafting work
     assert max(ks[6:]) == 1 and ks.count(0) > 40
+
+
+def test_a_first_round_accepted_in_part_keeps_drafting():
+    accepted = iter([1, 0, 0])  # 1 of 4 (25%, above the floor), then none: the running acceptance falls below it
+    assert _run(DraftLength(4), lambda k: next(accepted), 3) == [4, 4, 0]
+
+
+def test_the_history_is_the_k_of_every_round_in_runs():
+    length = DraftLength(3)
+    ks = _run(length, lambda k: 0, 12)
+    assert [k for k, n in length.history for _ in range(n)] == ks
+    assert all(a[0] != b[0] for a, b in zip(length.history, length.history[1:]))
 
 
 def test_accepted_drafts_keep_k_and_a_good_probe_resumes():

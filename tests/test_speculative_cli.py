@@ -76,7 +76,8 @@ def test_projection_for_another_model_is_refused(tiny_dirs, drafter_dir, calibra
 
 def test_width_mismatch_needs_a_projection(tiny_dirs, tmp_path):
     narrow = make_tiny(tmp_path / "narrow", "qwen3", seed=6, layers=2, hidden=32)
-    code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "--draft", str(narrow)])
+    code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "--draft", str(narrow),
+                            "--predictor", "spmoe"])  # asked for; the default falls back (tests/test_predictor_default.py)
     assert code == 2 and "specmoe calibrate" in _error_line(err)
     proj = tmp_path / "p.safetensors"
     code, _, err = run_cli(["calibrate", "-m", str(tiny_dirs["qwen3_moe"]), "--draft", str(narrow), "--out", str(proj),

@@ -19,6 +19,7 @@ from runtime.decode.offloaded_model import OffloadConfig, OffloadedModel
 from runtime.decode.device_pass import DevicePass, PassStats
 from runtime.decode.offloaded_step import offloaded_generate_step
 from runtime.decode.pairing import default_projection_path, load_drafter, make_drafter
+from runtime.decode.predictor_default import default_predictor
 from runtime.decode.prefill import PrefillMeter, PrefillStats
 from runtime.decode.prompt_cache import PromptCache, common_prefix
 from runtime.decode.plain import GenerationStats, encode_prompt, generate_tokens, holds_every_expert, stream_tokens
@@ -39,5 +40,5 @@ __all__ = [
     "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens", "holds_every_expert",
     "SpecConfig", "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter",
     "stream_tokens", "HiddenTaps", "Sampling", "accept_greedy", "accept_sampled", "probabilities", "sample", "DraftLength",
-    "LayerReplay", "WindowReads",
+    "LayerReplay", "WindowReads", "default_predictor",
 ]

@@ -5,10 +5,14 @@ K+1-token verify for about one emitted token: slower than plain decoding. So K
 follows acceptance, round by round:
 - after a round with K > 0: all K accepted -> K + 1 (at most k_max); none accepted
   -> K - 1; the running acceptance (an exponential average of accepted/proposed per
-  round) below `floor` -> K = 0.
+  round, starting from the first round's own share) below `floor` -> K = 0. So a
+  drafter whose first round is rejected outright stops drafting after that round
+  rather than after K of them, each a wider verify window for one token.
 - K = 0 is plain decoding (one target token per round, no drafter work) for a
   stretch of `backoff` rounds, then one probe round with K = 1; a probe that is
   rejected doubles the stretch (up to max_backoff), an accepted one resets it.
+  The decoder runs a stretch's rounds as plain decoding (runtime/decode/plain_stretch.py),
+  plain_rounds() of them at once, and a greedy probe without a verify window.
 
 Invariants: K is always in 0..k_max; with adaptive=False, K is k_max every round;
 the choice depends only on earlier acceptance, so two runs that accept the same
@@ -31,16 +35,26 @@ class DraftLength:
 
     def __post_init__(self):
         self.k = self.k_max  # the K of the next round
-        self.acceptance = 1.0  # running acceptance (optimistic start: begin at k_max)
+        self.acceptance = 1.0  # running acceptance (begin at k_max; the first drafting round sets it)
+        self.n_drafting = 0  # rounds with K > 0 recorded
         self.stretch = self.backoff  # plain rounds per fallback
         self.plain_left = 0  # plain rounds left before the probe
         self.probing = False  # the next/last K=1 round is a probe
+        self.history: list[list[int]] = []  # [K, rounds] runs, in order: the K of every recorded round
 
     def next_k(self) -> int:
         return self.k
 
+    def plain_rounds(self) -> int:
+        """With K = 0: the plain rounds before the next probe (at least 1); else 0."""
+        return max(1, self.plain_left) if self.k == 0 else 0
+
     def record(self, k: int, n_accepted: int) -> None:
         """The round just verified proposed `k` tokens and accepted `n_accepted` of them."""
+        if self.history and self.history[-1][0] == k:
+            self.history[-1][1] += 1
+        else:
+            self.history.append([k, 1])
         if not self.adaptive:
             return
         if k == 0:
@@ -48,7 +62,9 @@ class DraftLength:
             if self.plain_left <= 0:
                 self.k, self.probing = 1, True
             return
-        self.acceptance += self.weight * (n_accepted / k - self.acceptance)
+        share = n_accepted / k
+        self.acceptance = share if self.n_drafting == 0 else self.acceptance + self.weight * (share - self.acceptance)
+        self.n_drafting += 1
         if self.probing:
             self.probing = False
             if n_accepted:

@@ -12,8 +12,9 @@ is the last emitted token (not yet seen by the target):
             experts are read at once and the pass recomputes from the first layer that
             missed (runtime/decode/device_pass.py).
 - accept:   greedy (exact match) or rejection sampling (target distribution kept).
-- adapt:    K follows acceptance round by round, down to K = 0, a plain decoding
-            round with no drafter work (runtime/decode/draft_length.py).
+- adapt:    K follows acceptance round by round, down to K = 0: plain decoding
+            with no drafter work (runtime/decode/draft_length.py), a stretch of such
+            rounds decoded as plain decoding decodes (runtime/decode/plain_stretch.py).
 - rewind:   trimmable caches drop the rejected tail; caches that cannot be trimmed
             (GatedDeltaNet state, a full rotating cache) are restored from a
             snapshot taken before verify and the accepted tokens are re-run.
@@ -31,7 +32,7 @@ in the argmax can resolve differently there (as in any speculative decoder).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import mlx.core as mx
@@ -43,15 +44,16 @@ from runtime.cache import DEFAULT_PREFILL_STEP
 from runtime.decode.draft_length import DraftLength
 from runtime.decode.forecast_score import ForecastScore
 from runtime.decode.kv_only import kv_only
-from runtime.decode.drafter import DraftResult, ModelDrafter
+from runtime.decode.drafter import ModelDrafter
 from runtime.decode.device_pass import DevicePass
-from runtime.decode.prefill import PrefillMeter, PrefillStats
+from runtime.decode.plain import holds_every_expert
+from runtime.decode.plain_stretch import plain_stretch
+from runtime.decode.prefill import PrefillMeter
 from runtime.decode.rollback import roll_back, snapshot_untrimmable
 from runtime.decode.warm import warm_start
-from runtime.decode.window_reads import WindowReads
-from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled, sample
+from runtime.decode.sampling import Sampling, accept_greedy, accept_sampled
+from runtime.decode.spec_stats import SpecStats
 from storage import ExpertKey
-
 
 
 @dataclass(frozen=True)
@@ -87,62 +89,6 @@ class SpecConfig:
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temp, self.top_p, self.top_k, self.min_p)
-
-
-@dataclass
-class SpecStats:
-    n_rounds: int = 0  # verify passes
-    n_drafted: int = 0  # draft tokens proposed
-    n_accepted: int = 0  # draft tokens accepted
-    n_tokens: int = 0  # tokens emitted
-    n_reruns: int = 0  # rounds whose rewind re-ran accepted tokens (untrimmable state)
-    n_plain_rounds: int = 0  # rounds with K = 0 (adaptive K fell back to plain decoding: acceptance was low)
-    draft_s: float = 0.0  # time in draft + forecast + queueing prefetch
-    verify_s: float = 0.0  # time in target verify forwards (including demand loads)
-    rewind_s: float = 0.0  # time restoring state and re-running accepted tokens
-    one_sync_tries: int = 0  # verify forwards run as device passes (runtime/decode/device_pass.py)
-    one_sync_fallbacks: int = 0  # of those, verifies that needed more than one host sync (repairs, split layers)
-    host_syncs: int = 0  # host syncs of verify forwards (1 per round when the forecast covered the window)
-    repairs: int = 0  # verify recomputations after absent experts
-    routed_rounds: int = 0  # verifies routed: some MoE layers synced their codes before their experts (no recompute)
-    settle_ms: float = 0.0  # time waiting, before verify, for the round's prefetches still in flight
-    decode_s: float = 0.0  # wall time of all rounds
-    prefetch_bytes_queued: int = 0  # bytes of prefetch reads queued
-    window_reads: WindowReads = field(default_factory=WindowReads)  # verify reads by the window tokens that needed them
-    per_layer: dict[int, ForecastScore] = field(default_factory=dict)  # forecast quality per MoE layer
-    prefetch_layers: list[int] = field(default_factory=list)  # the MoE layers forecasts were prefetched for
-    counters: dict[str, float] = field(default_factory=dict)  # cache/loader counter deltas over the rounds; levels (usable_slots, returns_memory) at the end
-    prefill: PrefillStats | None = None  # the prompt (all tokens but the last): tokens/s, reads, bytes
-
-    @property
-    def acceptance(self) -> float:
-        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
-
-    @property
-    def mean_k(self) -> float:
-        """Draft tokens proposed per round (num_draft unless adaptive K lowered it)."""
-        return self.n_drafted / self.n_rounds if self.n_rounds else 0.0
-
-    @property
-    def tokens_per_verify(self) -> float:
-        return self.n_tokens / self.n_rounds if self.n_rounds else 0.0
-
-    def recall(self, layers=None) -> float:
-        scores = [s for l, s in self.per_layer.items() if layers is None or l in layers]
-        actual = sum(s.actual for s in scores)
-        return sum(s.hits for s in scores) / actual if actual else 0.0
-
-    def precision(self, layers=None) -> float:
-        scores = [s for l, s in self.per_layer.items() if layers is None or l in layers]
-        forecast = sum(s.forecast for s in scores)
-        return sum(s.hits for s in scores) / forecast if forecast else 0.0
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["per_layer"] = {l: {**asdict(s), "recall": s.recall, "precision": s.precision} for l, s in self.per_layer.items()}
-        d.update(acceptance=self.acceptance, tokens_per_verify=self.tokens_per_verify, mean_k=self.mean_k,
-                 recall=self.recall(), precision=self.precision(), window_reads=self.window_reads.to_json())
-        return d
 
 
 class SpeculativeDecoder:
@@ -196,11 +142,8 @@ class SpeculativeDecoder:
     def _draft(self, k: int):
         t0 = time.perf_counter()
         self._forecast, self._queued, self._queued_ids, self._round_bytes = ExpertForecast.empty(), set(), {}, 0
-        if k == 0:  # a plain round: no drafter work, no forecast
-            return DraftResult([], None, DraftTaps())
         prepare = getattr(self.predictor, "prepare", None) if self.forecast_layers else None
-        draft = self.drafter.propose(k, sampling=self.cfg.sampling, rng=self.rng,
-                                     on_step=self._forecast_and_prefetch,
+        draft = self.drafter.propose(k, sampling=self.cfg.sampling, rng=self.rng, on_step=self._forecast_and_prefetch,
                                      on_taps=None if prepare is None else (lambda taps: prepare(taps, self.forecast_layers)))
         self.stats.draft_s += time.perf_counter() - t0
         return draft
@@ -256,8 +199,6 @@ class SpeculativeDecoder:
         if self.cfg.temp == 0:
             return accept_greedy(draft.tokens, np.array(mx.argmax(logits, axis=-1)))
         p = np.array(self.cfg.sampling.probabilities(logits), np.float64)
-        if not draft.tokens:  # a plain round: the target's own sample
-            return 0, sample(p[0], self.rng)
         # Padded vocabularies may differ in length: accept_sampled pads the shorter with zeros
         # (trimming p would drop target probability mass).
         return accept_sampled(draft.tokens, draft.q, p, self.rng)
@@ -323,10 +264,16 @@ class SpeculativeDecoder:
             return self.cfg.prefill_chunk
         return limit.chunk_for(max(1, n_prompt - 1), n_prompt + self.cfg.num_draft + 1)
 
-    def step(self, pending: int) -> list[int]:
-        """One round: returns the tokens it emits (accepted drafts plus one target token)."""
+    def step(self, pending: int, max_new: int | None = None, eos_ids=()) -> list[int]:
+        """One round: returns the tokens it emits (accepted drafts plus one target token); with K = 0, a stretch
+        of plain rounds up to the next probe (at most `max_new` tokens, ending after an `eos_ids` token)."""
         self._round += 1
         k = self.draft_length.next_k()
+        if k == 0:
+            return self._plain(pending, self.draft_length.plain_rounds() if max_new is None
+                               else min(max_new, self.draft_length.plain_rounds()), eos_ids)
+        if k == 1 and self.draft_length.probing and self.cfg.sampling.greedy:
+            return self._probe(pending, eos_ids)
         draft = self._draft(k)
         window = [pending] + draft.tokens
         snapshot = snapshot_untrimmable(self.cache)
@@ -335,20 +282,50 @@ class SpeculativeDecoder:
         if self.target.telemetry is not None:
             used = {ExpertKey(l, int(e)) for l, ids in self._routing.items() for e in np.unique(ids)}
             self.target.telemetry.end_verify(n, len(self._queued), len(self._queued - used))
-        if k:
-            self._score_forecast()  # plain rounds made no forecast: they do not count against recall
+        self._score_forecast()
         self.predictor.observe(self._routing)
         self._rewind(window, n, snapshot)
-        if k:
-            self.drafter.settle(n, token)
-        else:
-            self.drafter.skip(token)
+        self.drafter.settle(n, token)
         self.draft_length.record(k, n)
-        self.stats.n_plain_rounds += k == 0
         self.stats.n_rounds += 1
         self.stats.n_drafted += len(draft.tokens)
         self.stats.n_accepted += n
         return draft.tokens[:n] + [token]
+
+    def _plain(self, pending: int, n: int, eos_ids) -> list[int]:
+        """K = 0: `n` plain rounds at once, decoded as plain decoding decodes; the drafter queues their tokens."""
+        tokens = self._plain_tokens(pending, n, eos_ids)
+        for token in tokens:
+            self.drafter.skip(token)
+            self.draft_length.record(0, 0)
+        self._round += len(tokens) - 1
+        self.stats.n_plain_rounds += len(tokens)
+        self.stats.n_rounds += len(tokens)
+        return tokens
+
+    def _probe(self, pending: int, eos_ids) -> list[int]:
+        """The greedy probe after a stretch (K = 1): the drafter feeds the stretch's tokens in one forward and proposes
+        d_1; the target decodes its token as a plain round does; d_1 is accepted when it is that token. No verify
+        window: a rejected probe costs the target nothing beyond plain decoding (an accepted one forgoes the token
+        a K = 1 verify would have added after d_1)."""
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(1).tokens[0]
+        self.stats.draft_s += time.perf_counter() - t0
+        tokens = self._plain_tokens(pending, 1, eos_ids)
+        n = int(proposal == tokens[0])
+        self.drafter.settle(0, tokens[0])  # d_1 was not fed; the target's token is pending, accepted or not
+        self.draft_length.record(1, n)
+        self.stats.n_rounds += 1
+        self.stats.n_drafted += 1
+        self.stats.n_accepted += n
+        return tokens
+
+    def _plain_tokens(self, pending: int, n: int, eos_ids) -> list[int]:
+        t0, device = time.perf_counter(), self._pass is not None and (self.cfg.one_sync == "on" or holds_every_expert(self.target))
+        tokens = plain_stretch(self.target, self.cache, pending, n, sampling=self.cfg.sampling, rng=self.rng,
+                               device_pass=self._pass if device else None, eos_ids=eos_ids)
+        self.stats.verify_s += time.perf_counter() - t0
+        return tokens
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos_ids=(), on_token=None, progress=None) -> list[int]:
         """All of stream() at once; on_token(token) is called as each arrives."""
@@ -374,13 +351,14 @@ class SpeculativeDecoder:
         c0 = self.target.counters()
         t0 = time.perf_counter()
         n_out = 0
-        limit = self.target.context_governor
+        limit, observed = self.target.context_governor, -8
         try:
             while n_out < max_tokens:
-                if limit is not None and self.stats.n_rounds % 8 == 0:  # slots give way as the KV grows, as plain decoding
-                    now = len(prompt_ids) + n_out
-                    limit.observe(self.cache, now, now + 8 * (self.cfg.num_draft + 1), chunk=self.cfg.num_draft + 1)
-                for token in self.step(pending):
+                if limit is not None and self.stats.n_rounds >= observed + 8:  # slots give way as the KV grows (plain
+                    observed, now = self.stats.n_rounds, len(prompt_ids) + n_out  # decoding's rule), a stretch included
+                    ahead = max(8 * (self.cfg.num_draft + 1), self.draft_length.plain_rounds() + 8)
+                    limit.observe(self.cache, now, now + ahead, chunk=self.cfg.num_draft + 1)
+                for token in self.step(pending, max_tokens - n_out, eos_ids):
                     n_out += 1
                     yield token
                     if token in eos_ids or n_out >= max_tokens:
