@@ -14,11 +14,13 @@ lookup ops can be hidden. Five measurements, each repeated, the variants interle
 4. queueing from a helper thread: the variant queues each token with mx.async_eval from a helper thread
    (on a stream any thread may use) while the main thread builds the next forward; tokens must equal the
    plain loop's. Paired per trial: plain loop's time over the variant's (above 1: the variant is faster).
-5. what mx.async_eval leaves in flight: a one-token stock forward is built and queued; how long async_eval
-   takes to return, and how long an eval right after it still waits (the forward's compute not done when
-   async_eval returned). Then the same with P ms of pure Python placed between the two: the milliseconds of
-   it hidden = (queue + wait alone) + P - (queue + P + wait), per pair. Above 0: Python after async_eval runs
-   while MLX's worker computes (the backend is not synchronous), so host work placed there overlaps.
+5. what mx.async_eval leaves in flight: a graph is built and queued; how long async_eval takes to return, and
+   how long an eval right after it still waits (work not done when async_eval returned). Then the same with P
+   ms of pure Python placed between the two: the milliseconds of it hidden = (queue + wait alone) + P - (queue +
+   P + wait), per pair. Above 0: Python after async_eval runs while MLX's worker computes (the backend is not
+   synchronous), so host work placed there overlaps. Two graphs: a one-token stock forward (hundreds of short
+   ops: the queueing call itself keeps pace with the worker, so little is left when it returns) and a chain of
+   long matmuls (few ops: async_eval returns at once).
 
 Prints a table and ends with one JSON line.
 """
@@ -143,17 +145,38 @@ def _spin(ms: float) -> None:
         n += 1
 
 
-def async_overlap(model, tokenizer, prompt: str, python_ms: float, spin_first: bool) -> tuple[float, float, float]:
-    """(ms async_eval took to return, ms an eval right after it waited, ms of `python_ms` of Python placed between
-    them that was hidden) for a one-token stock forward, the two variants back to back on fresh caches."""
+def forward_graph(model, tokenizer, prompt: str):
+    """A builder of a one-token stock forward on a fresh cache (its prompt evaluated first): the lazy next token."""
     from mlx_lm.models.cache import make_prompt_cache
 
     ids = mx.array(tokenizer.encode(prompt))
-    runs = {}
-    for spin in ((True, False) if spin_first else (False, True)):
+
+    def build():
         cache = make_prompt_cache(model)
         mx.eval(model(ids[None, :-1], cache=cache), [c.state for c in cache])
-        y = mx.argmax(model(ids[None, -1:], cache=cache)[:, -1, :], axis=-1)  # built, nothing queued yet
+        return mx.argmax(model(ids[None, -1:], cache=cache)[:, -1, :], axis=-1)
+    return build
+
+
+def matmul_graph(n: int, size: int):
+    """A builder of a chain of n size x size matmuls: few ops, each long."""
+    a = mx.random.normal((size, size)) * (1.0 / size)
+    mx.eval(a)
+
+    def build():
+        x = a
+        for _ in range(n):
+            x = x @ a
+        return x
+    return build
+
+
+def async_overlap(build, python_ms: float, spin_first: bool) -> tuple[float, float, float]:
+    """(ms async_eval took to return, ms an eval right after it waited, ms of `python_ms` of Python placed between
+    them that was hidden) for the graph build() returns, the two variants back to back."""
+    runs = {}
+    for spin in ((True, False) if spin_first else (False, True)):
+        y = build()  # built, nothing queued yet
         t0 = time.perf_counter()
         mx.async_eval(y)
         t1 = time.perf_counter()
@@ -177,6 +200,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48, help="decoded tokens per run in measurements 3 and 4")
     ap.add_argument("--trials", type=int, default=4, help="trials; each runs every prompt with every variant")
     ap.add_argument("--python-ms", type=float, default=5.0, help="Python placed after async_eval in measurement 5")
+    ap.add_argument("--matmuls", type=int, default=20, help="256 x 256 matmuls in measurement 5's long-op chain")
     ap.add_argument("--out", type=Path, default=None, help="also write the table and JSON line to this file")
     args = ap.parse_args()
     for name in ("ops", "width", "chain_repeats", "extra_ops", "tokens", "trials"):
@@ -203,6 +227,8 @@ def main() -> int:
         dec = _Decoder(model, tokenizer, args.tokens)
         op_cost, beside, per_extra, helper_ratio, helper_ms, plain_ms = [], [], [], [], [], []
         queue_ms, wait_ms, hidden_ms = [], [], []
+        big_queue_ms, big_wait_ms, big_hidden_ms = [], [], []
+        big = matmul_graph(args.matmuls, 256)
         op_chain(args.ops, args.width, 3, False)  # warm both variants alike
         for v in (False, True):
             dec.run(PROMPTS[0], v)
@@ -224,10 +250,15 @@ def main() -> int:
                 if r[True][1] != r[False][1]:
                     raise SystemExit("the helper-thread loop decoded other tokens than mlx-lm's loop: not comparable")
                 for i in range(4):
-                    q, w, h = async_overlap(model, tokenizer, prompt, args.python_ms, spin_first=(trial + i) % 2 == 1)
+                    q, w, h = async_overlap(forward_graph(model, tokenizer, prompt), args.python_ms,
+                                            spin_first=(trial + i) % 2 == 1)
                     queue_ms.append(q)
                     wait_ms.append(w)
                     hidden_ms.append(h)
+                q, w, h = async_overlap(big, args.python_ms, spin_first=trial % 2 == 1)
+                big_queue_ms.append(q)
+                big_wait_ms.append(w)
+                big_hidden_ms.append(h)
                 plain_ms.append(r[False][0])
                 helper_ms.append(r[True][0])
                 helper_ratio.append(r[False][0] / r[True][0])
@@ -240,6 +271,8 @@ def main() -> int:
               "helper_queue_vs_plain": _spread(helper_ratio),
               "async_eval_return_ms": _spread(queue_ms), "wait_after_async_eval_ms": _spread(wait_ms),
               "python_hidden_after_async_eval_ms": _spread(hidden_ms), "python_ms": args.python_ms,
+              "matmul_chain_return_ms": _spread(big_queue_ms), "matmul_chain_wait_ms": _spread(big_wait_ms),
+              "matmul_chain_python_hidden_ms": _spread(big_hidden_ms),
               "plain_ms_per_token": statistics.median(plain_ms), "helper_ms_per_token": statistics.median(helper_ms)}
 
     def row(label, s, unit, fmt="{:.2f}"):
@@ -260,7 +293,12 @@ def main() -> int:
              row("5a. mx.async_eval of a one-token forward: time to return", result["async_eval_return_ms"], "ms"),
              row("5b. an eval right after it: still waiting for", result["wait_after_async_eval_ms"], "ms"),
              row(f"5c. of {args.python_ms:g} ms of Python placed after async_eval, hidden",
-                 result["python_hidden_after_async_eval_ms"], "ms")]
+                 result["python_hidden_after_async_eval_ms"], "ms"),
+             row(f"5d. a chain of {args.matmuls} 256x256 matmuls: async_eval returns after",
+                 result["matmul_chain_return_ms"], "ms"),
+             row("5e. an eval right after it: still waiting for", result["matmul_chain_wait_ms"], "ms"),
+             row(f"5f. of {args.python_ms:g} ms of Python placed after it, hidden", result["matmul_chain_python_hidden_ms"],
+                 "ms")]
     text = "\n".join(lines) + "\n" + json.dumps(result) + "\n"
     sys.stdout.write(text)
     if args.out is not None:
