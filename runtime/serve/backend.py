@@ -12,6 +12,13 @@ how many of them took one host sync. A run ended early (stop string, disconnect,
 --request-timeout) has no decoder report: its tokens and syncs count, its forwards do not, and
 `unreported_runs` says how many such runs there were.
 
+Batched requests (runtime/serve/batch_run.py, `--max-batch` > 1) add the same record through
+`add_run`: their host syncs are each step's syncs shared among the step's sequences (so the
+lifetime total is still the sum of the records), a finished one reports one forward per token
+(each a batch forward, none of them one-sync), and they use no prompt cache. `batch_stats` is what
+/health and /v1/specmoe/stats report about batching: steps, sequences per step (current, max seen,
+mean, histogram), and the decode steps' unique expert lookups against their sum over sequences.
+
 Invariants: only the generation worker (or the REPL's one thread) calls `stream`; a chat request
 with one user message encodes to exactly the ids `specmoe generate -p TEXT` uses, so greedy
 output is the same text; one_sync_forwards <= forwards; the lifetime counters are the sums of
@@ -60,6 +67,57 @@ class Backend:
         self._last = None  # RunStats of the last finished request
         self._last_counts = None  # that request's counter record (what it added to the lifetime counters)
         self.pool = _prompt_pool(engine, prompt_cache_size)  # None: speculative (no prompt cache yet)
+        self._batch = {"steps": 0, "sequences": 0, "current": 0, "max_seen": 0, "histogram": {},
+                       "unique_experts": 0, "summed_experts": 0, "reads": 0}
+
+    # -- batching (runtime/serve/batch_run.py) ----------------------------------------------
+    @property
+    def can_batch(self) -> bool:
+        """Plain decoding on full-precision KV: speculative (--draft) and --kv-bits requests run one at a time."""
+        return self.engine.draft is None and not self.kv_bits
+
+    def batchable(self, request) -> bool:
+        """A request that may join a batch: the engine can batch and the request sets no seed (a seed
+        reproduces one run's sampling, which the batch's shared random state cannot)."""
+        return self.can_batch and getattr(request, "seed", None) is None
+
+    def open_batch(self, max_batch: int):
+        """A BatchDecoder over the engine's model for up to `max_batch` sequences (the worker thread only)."""
+        from runtime.decode import BatchDecoder
+
+        return BatchDecoder(self.engine.model, stop_tokens=[[t] for t in self.tokenizer.eos_token_ids],
+                            completion_batch_size=max_batch, prefill_batch_size=max_batch, on_step=self._batch_step)
+
+    def _batch_step(self, step) -> None:
+        with self._lock:
+            b = self._batch
+            b["steps"] += 1
+            b["sequences"] += step.n_sequences
+            b["current"] = step.n_sequences
+            b["max_seen"] = max(b["max_seen"], step.n_sequences)
+            b["histogram"][step.n_sequences] = b["histogram"].get(step.n_sequences, 0) + 1
+            b["unique_experts"] += step.unique_experts
+            b["summed_experts"] += step.summed_experts
+            b["reads"] += step.reads
+
+    def batch_idle(self) -> None:
+        """The batch emptied: no sequence decodes now."""
+        with self._lock:
+            self._batch["current"] = 0
+
+    def batch_stats(self) -> dict:
+        with self._lock:
+            b = dict(self._batch)
+            b["histogram"] = {str(k): v for k, v in sorted(self._batch["histogram"].items())}
+        steps = b["steps"]
+        return {**b, "mean_sequences": b["sequences"] / steps if steps else None,
+                "unique_per_step": b["unique_experts"] / steps if steps else None,
+                "summed_per_step": b["summed_experts"] / steps if steps else None,
+                "unique_share": b["unique_experts"] / b["summed_experts"] if b["summed_experts"] else None,
+                "how": "steps: batch decode steps; sequences: tokens they decoded (current: the last step's batch, 0 "
+                       "when idle); unique_experts: per step and MoE layer, the union of the batch's experts (each "
+                       "looked up and read if absent once); summed_experts: each sequence's own experts summed (what "
+                       "one-at-a-time steps would look up); reads: experts the steps read from disk"}
 
     # -- prompts -----------------------------------------------------------------------------
     def encode_messages(self, messages: list[dict], tools: list[dict] | None = None,
@@ -113,29 +171,39 @@ class Backend:
             n = last.stats.generation_tokens if last is not None else 0
             record = {"prompt_tokens": len(ids), "completion_tokens": n, "host_syncs": self._host_syncs() - syncs0,
                       **_forwards(last.detail if last is not None else None, n)}
-            with self._lock:
-                t = self._totals
-                t["requests"] += 1
-                t["prompt_tokens"] += len(ids)
-                t["completion_tokens"] += n
-                t["cached_prompt_tokens"] += cached or 0
-                t["decode_s"] += time.perf_counter() - t0
-                s = self._syncs
-                s["host_syncs"] += record["host_syncs"]
-                if record["forwards"] is None:
-                    s["unreported_runs"] += 1
-                else:
-                    s["forwards"] += record["forwards"]
-                    s["one_sync_forwards"] += record["one_sync_forwards"]
-                    s["reported_tokens"] += n
-                spec = getattr(last.stats, "speculative", None) if last is not None else None
-                if spec is not None:  # the drafter's part of the run so far: known however the run ended
-                    self._spec["drafted"] += spec.drafted
-                    self._spec["accepted"] += spec.accepted
-                    self._spec["rounds"] += spec.rounds
-                if last is not None:
-                    self._last = last.stats
-                self._last_counts = record
+            self.add_run(record, cached, time.perf_counter() - t0, last.stats if last is not None else None)
+
+    def add_run(self, record: dict, cached: int | None, seconds: float, run_stats=None) -> None:
+        """Add one request's record (prompt_tokens, completion_tokens, host_syncs, forwards, one_sync_forwards;
+        forwards None: ended early) to the lifetime counters; it becomes `last_request`."""
+        n = record["completion_tokens"]
+        last = run_stats
+        with self._lock:
+            t = self._totals
+            t["requests"] += 1
+            t["prompt_tokens"] += record["prompt_tokens"]
+            t["completion_tokens"] += n
+            t["cached_prompt_tokens"] += cached or 0
+            t["decode_s"] += seconds
+            s = self._syncs
+            s["host_syncs"] += record["host_syncs"]
+            if record["forwards"] is None:
+                s["unreported_runs"] += 1
+            else:
+                s["forwards"] += record["forwards"]
+                s["one_sync_forwards"] += record["one_sync_forwards"]
+                s["reported_tokens"] += n
+            spec = getattr(last, "speculative", None) if last is not None else None
+            if spec is not None:  # the drafter's part of the run so far: known however the run ended
+                self._spec["drafted"] += spec.drafted
+                self._spec["accepted"] += spec.accepted
+                self._spec["rounds"] += spec.rounds
+            self._last = last
+            self._last_counts = record
+
+    def host_syncs(self) -> int:
+        """Host syncs the expert cache has counted since load."""
+        return self._host_syncs()
 
     def _host_syncs(self) -> int:
         return self.engine.model.cache.host_syncs
@@ -169,6 +237,7 @@ class Backend:
                                   "prompt, one per token without device passes; speculative: verify passes and "
                                   "re-runs), reported_tokens their tokens; runs ended early (stop string, "
                                   "disconnect, timeout) are unreported_runs"},
+            "batching": self.batch_stats(),
             "speculative": None,
             "memory": _memory(om),
             "last_request": None,
@@ -179,8 +248,8 @@ class Backend:
                                   "cutoff": d.cutoff, "rounds": spec["rounds"],
                                   "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
                                   "acceptance_last_request": getattr(last, "acceptance", None)}
-        if last is not None:
-            out["last_request"] = {**last.to_json(), **(counts or {})}  # runtime.api RunStats (docs/json.md)
+        if counts is not None:  # runtime.api RunStats (docs/json.md); a batched request has only its counters
+            out["last_request"] = {**(last.to_json() if last is not None else {}), **counts}
         if paths:
             out["paths"] = {"store": str(om.store.model_dir)}
         return out

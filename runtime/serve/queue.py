@@ -1,15 +1,21 @@
-"""The generation queue: one worker thread owns the model and decodes one request at a time.
+"""The generation queue: one worker thread owns the model; requests run alone or batched.
 
-Requests are served first come, first served. Each job streams `JobEvent`s back to the asyncio
+Requests are started first come, first served. Each job streams `JobEvent`s back to the asyncio
 loop of the request that submitted it; text is cut at the request's stop strings here, so a
 stopped generation stops decoding too.
+
+With `max_batch` > 1 (`--max-batch`), a batchable job (Backend.batchable: plain decoding, no seed)
+that the worker takes while other jobs wait starts a batch (runtime/serve/batch_run.py): waiting
+batchable jobs join it between decode steps, up to `max_batch` at once, until it empties. A job
+that finds nobody waiting runs alone on the one-request path (prompt-cache pool, one-sync pass,
+lookahead): a batch of one decodes slower than that path (bench/results/batch.txt, B=1 rows).
 
 At most `max_queue` jobs wait or run at once: `submit` raises QueueFull beyond that (the route
 answers 429 with Retry-After). With `request_timeout_s`, a generation that has run that long
 stops before its next token and ends with finish_reason "length" (the text so far is kept); the
 prompt's prefill is not interrupted.
 
-Invariants: the model is only touched by the worker thread; a job whose `cancel` is set (its
+Invariants: the model is only touched by the worker thread; at most `max_batch` jobs generate at once; a job whose `cancel` is set (its
 client went away) is skipped if still queued, or stopped before its next token if running, and
 the worker goes on with the next job; every job ends with exactly one event of kind "done" or
 "error"; an exception in one job never stops the worker; `pending` counts submitted jobs not yet
@@ -22,6 +28,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,12 +81,17 @@ class Job:
 class GenerationQueue:
     """`submit` from the event loop; `backend.stream(ids, request)` runs on the worker thread."""
 
-    def __init__(self, backend, max_queue: int = 16, request_timeout_s: float | None = None):
+    def __init__(self, backend, max_queue: int = 16, request_timeout_s: float | None = None, max_batch: int = 1):
+        if max_batch < 1:
+            raise ValueError(f"--max-batch {max_batch}; expected >= 1 (1: one request at a time)")
         self.backend = backend
-        self.max_queue, self.request_timeout_s = max_queue, request_timeout_s
+        self.max_queue, self.request_timeout_s, self.max_batch = max_queue, request_timeout_s, max_batch
+        self.batching = max_batch > 1 and getattr(backend, "can_batch", False)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._held: deque = deque()  # a job (or the stop sentinel) taken out of turn by a batch, run next
         self._lock = threading.Lock()
         self.active: Job | None = None
+        self.running = 0  # jobs generating now (a batch's members, or the one running alone)
         self.pending = 0  # submitted and not yet ended
         self._run_s = 0.0  # seconds the ended jobs ran, for Retry-After
         self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "refused": 0}
@@ -101,33 +113,80 @@ class GenerationQueue:
 
     def status(self) -> dict:
         with self._lock:
-            return {"mode": "one request at a time (queued, first come first served)",
-                    "queued": self._jobs.qsize(), "busy": self.active is not None, "max_queue": self.max_queue,
-                    **self.counts}
+            return {"mode": self._mode(), "max_batch": self.max_batch if self.batching else 1,
+                    "queued": self._jobs.qsize() + len(self._held), "busy": self.running > 0,
+                    "running": self.running, "max_queue": self.max_queue, **self.counts}
+
+    def _mode(self) -> str:
+        if self.batching:
+            return (f"up to {self.max_batch} concurrent requests batched (plain decoding; seeded requests and a "
+                    "request with nobody waiting run one request at a time)")
+        if self.max_batch > 1:
+            return "one request at a time (queued, first come first served; speculative or --kv-bits: not batched)"
+        return "one request at a time (queued, first come first served)"
 
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
 
-    def _count(self, key: str, started: float | None = None) -> None:
+    def _count(self, key: str, started: float | None = None, timed_out: bool = False) -> None:
         """One job ended as `key` (completed, cancelled or failed) after running since `started`."""
         with self._lock:
             self.counts[key] += 1
             self.pending -= 1
+            if timed_out:
+                self.counts["timed_out"] += 1
             if started is not None:
                 self._run_s += time.monotonic() - started
 
-    def _run(self) -> None:
+    def end(self, job: Job, key: str, started: float | None = None, timed_out: bool = False) -> None:
+        """A batched job ended as `key` (completed, cancelled or failed); `timed_out` also counts it as such."""
+        self._count(key, started, timed_out)
+
+    def set_active(self, n: int) -> None:
+        """`n` jobs are generating now (the batch's members)."""
+        with self._lock:
+            self.running = n
+
+    def take_batchable(self) -> Job | None:
+        """For a running batch: the next waiting job if it can join, else None (and it stays first in line).
+        Cancelled waiting jobs are ended on the way."""
         while True:
-            job = self._jobs.get()
+            if self._held:
+                return None
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return None
+            if job is not None and job.cancel.is_set():
+                self._count("cancelled")
+                job.put(JobEvent("error", error="cancelled"))
+                continue
+            if job is None or not self.backend.batchable(job.request):
+                self._held.append(job)
+                return None
+            return job
+
+    def _next(self) -> Job | None:
+        return self._held.popleft() if self._held else self._jobs.get()
+
+    def _run(self) -> None:
+        from runtime.serve.batch_run import BatchRun
+
+        while True:
+            job = self._next()
             if job is None:
                 return
             if job.cancel.is_set():
                 self._count("cancelled")
                 job.put(JobEvent("error", error="cancelled"))
                 continue
+            if self.batching and self.backend.batchable(job.request) and not self._jobs.empty():
+                BatchRun(self, self.backend, self.max_batch).run(job)  # ends every job it admitted
+                self.set_active(0)
+                continue
             with self._lock:
-                self.active = job
+                self.active, self.running = job, 1
             started = time.monotonic()
             try:
                 self._serve(job, started)
@@ -137,7 +196,7 @@ class GenerationQueue:
                 job.put(JobEvent("error", error=f"{type(e).__name__}: {e}"))
             finally:
                 with self._lock:
-                    self.active = None
+                    self.active, self.running = None, 0
 
     def _serve(self, job: Job, started: float) -> None:
         request = job.request
@@ -172,10 +231,7 @@ class GenerationQueue:
         tail = stops.flush()
         if tail:
             job.put(JobEvent("text", text=tail))
-        if timed_out:
-            with self._lock:
-                self.counts["timed_out"] += 1
-        self._count("completed", started)
+        self._count("completed", started, timed_out)
         job.put(JobEvent("done", finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n,
                          stop_sequence=stops.matched,
                          cached_tokens=cached))

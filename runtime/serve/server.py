@@ -42,6 +42,7 @@ class ServeConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     kv_bits: int | None = None  # --kv-bits (plain decoding)
     seed: int | None = None  # --seed: the PRNG seeded once at start-up
+    max_batch: int = 1  # --max-batch: concurrent plain requests decoded together (1: one at a time)
     sock: object = None  # the socket `bind` took for host:port (None: serve_backend binds it)
 
     def __post_init__(self):
@@ -114,7 +115,8 @@ def serve_backend(backend, config: ServeConfig, model_config: dict, log=print, c
 
     sock = config.sock if config.sock is not None else bind(config.host, config.port)
     limits = config.limits
-    gen_queue = GenerationQueue(backend, max_queue=limits.max_queue, request_timeout_s=limits.request_timeout_s)
+    gen_queue = GenerationQueue(backend, max_queue=limits.max_queue, request_timeout_s=limits.request_timeout_s,
+                                max_batch=config.max_batch)
     context = context_limit(model_config)
     limit = config.max_prompt_tokens or context
     aliases = frozenset({str(config.model_path), str(config.model_path.resolve()), config.model_path.name})
@@ -128,8 +130,9 @@ def serve_backend(backend, config: ServeConfig, model_config: dict, log=print, c
     access = ("API key required" if policy.api_key else "no API key") + (
         "; Host checked" if policy.checks_host else "") + (
         f"; CORS for {', '.join(policy.cors_origins)}" if policy.cors_origins else "; no CORS")
+    running = (f"up to {gen_queue.max_batch} requests batched" if gen_queue.batching else "one request at a time")
     log(f"specmoe serve: {config.model_ref} on http://{config.host}:{config.port}/v1 "
-        f"(OpenAI and Anthropic APIs; one request at a time; prompts up to {limit} tokens{note}; {access}; Ctrl-C stops)")
+        f"(OpenAI and Anthropic APIs; {running}; prompts up to {limit} tokens{note}; {access}; Ctrl-C stops)")
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level,
                                            access_log=config.log_level in ("info", "debug"),
                                            timeout_graceful_shutdown=3, limit_concurrency=limits.max_connections,

@@ -1,0 +1,168 @@
+"""A batch of concurrent requests decoded together: the generation worker drives one BatchDecoder.
+
+`BatchRun(queue, backend, max_batch).run(first)` starts a BatchDecoder (runtime/decode/batch.py:
+mlx-lm's BatchGenerator over the paged model, each step reading the union of the batch's experts
+once) with `first`, and between steps takes more waiting jobs from the queue until `max_batch`
+sequences are in it: a newcomer is inserted (its prompt prefilled by the BatchGenerator) and
+joins the generation batch at a following step. After each step every member's token goes to its
+own job: a streaming detokenizer, the request's StopMatcher (held-back text), its events. A member
+leaves when it finishes (end of sequence, its max_tokens), matches a stop string, is cancelled
+(its client went away), or reaches --request-timeout; the others go on. The run returns when no
+member is left and no batchable job waits.
+
+Per request as on the one-at-a-time path: the same events, text, finish_reason and
+completion_tokens (the end-of-sequence token counted, not shown); its own sampler (temperature,
+top_p, top_k, min_p). Not batched (left for the queue to run alone): requests with a seed, and
+every request of an engine that cannot batch (speculative, --kv-bits; Backend.batchable). A job
+that cannot join stops admission, so jobs still start in arrival order. Batched requests take no
+prompt cache from the pool (cached_tokens None).
+
+Invariants: only the worker thread runs this; every admitted job ends with exactly one "done" or
+"error" event and is counted once by the queue (GenerationQueue.end); a token reaches only the job
+whose uid the BatchGenerator gave it; an exception in the decoder ends every member with an error
+and closes the decoder; nothing is left in the decoder when run returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from mlx_lm.sample_utils import make_sampler
+
+from runtime.serve.queue import JobEvent
+from runtime.serve.stops import StopMatcher
+
+__all__ = ["BatchRun"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Member:
+    job: object  # runtime.serve.queue.Job
+    detok: object  # mlx-lm's streaming detokenizer, one per request
+    stops: StopMatcher
+    started: float
+    deadline: float | None
+    n: int = 0  # tokens received (the end-of-sequence token included)
+    host_syncs: int = 0  # this member's share of the steps' host syncs
+    timed_out: bool = False
+    finish: str | None = None  # the BatchGenerator's finish_reason: "stop" (end of sequence) or "length"
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class BatchRun:
+    def __init__(self, queue, backend, max_batch: int):
+        self.queue, self.backend, self.max_batch = queue, backend, max_batch
+
+    def run(self, first) -> None:
+        try:
+            decoder = self.backend.open_batch(self.max_batch)
+        except Exception as e:
+            self._fail(first, e, time.monotonic())
+            return
+        members: dict[int, _Member] = {}
+        try:
+            job = first
+            while True:
+                while job is not None and len(members) < self.max_batch:
+                    try:
+                        self._admit(decoder, members, job)
+                    except Exception as e:  # this request cannot join (its prompt or settings): it alone fails
+                        self._fail(job, e, time.monotonic())
+                    job = self.queue.take_batchable() if len(members) < self.max_batch else None
+                if not members:
+                    return
+                syncs0 = self.backend.host_syncs()
+                responses = decoder.next()
+                self._share_syncs(members, [r.uid for r in responses], self.backend.host_syncs() - syncs0)
+                for r in responses:
+                    member = self._member_of(members, r.uid)
+                    if member is not None and self._feed(member, r):
+                        self._leave(decoder, members, r.uid, reported=r.finish_reason is not None)
+                now = time.monotonic()
+                for uid, member in list(members.items()):
+                    if member.job.cancel.is_set():
+                        self._leave(decoder, members, uid, reported=False)
+                    elif member.deadline is not None and now >= member.deadline:
+                        member.timed_out = True  # --request-timeout: ends as if max_tokens were reached
+                        self._leave(decoder, members, uid, reported=False)
+                job = self.queue.take_batchable() if len(members) < self.max_batch else None
+        except Exception as e:  # the batch cannot go on: every member ends with the error
+            log.exception("batched generation failed")
+            for uid in list(members):
+                m = members.pop(uid)
+                self._fail(m.job, e, m.started)
+        finally:
+            decoder.close()
+            self.backend.batch_idle()
+
+    def _fail(self, job, e: Exception, started: float) -> None:
+        self.queue.end(job, "failed", started)
+        job.put(JobEvent("error", error=f"{type(e).__name__}: {e}"))
+
+    def _admit(self, decoder, members: dict, job) -> None:
+        req = job.request
+        sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
+        started = time.monotonic()
+        timeout = self.queue.request_timeout_s
+        (uid,) = decoder.insert([job.ids], [req.max_tokens], samplers=[sampler])
+        members[uid] = _Member(job, self.backend.tokenizer.detokenizer, StopMatcher(req.stop), started,
+                               None if timeout is None else started + timeout)
+        self.queue.set_active(len(members))
+
+    @staticmethod
+    def _member_of(members: dict, uid: int):
+        """The job a BatchGenerator response belongs to (None: it left already)."""
+        return members.get(uid)
+
+    @staticmethod
+    def _share_syncs(members: dict, uids: list[int], syncs: int) -> None:
+        """The step's host syncs shared among the sequences it decoded (the first takes the remainder)."""
+        here = [u for u in uids if u in members] or list(members)[:1]
+        if not here:
+            return
+        share, rest = divmod(syncs, len(here))
+        for i, u in enumerate(here):
+            members[u].host_syncs += share + (rest if i == 0 else 0)
+
+    def _feed(self, m: _Member, r) -> bool:
+        """One token for one member; True when the member is done (finished or stopped by a stop string)."""
+        if m.job.cancel.is_set():
+            return False  # left at the end of this step, as cancelled
+        m.n += 1
+        if r.finish_reason != "stop":
+            m.detok.add_token(r.token)
+        if r.finish_reason is not None:
+            m.finish = r.finish_reason
+            m.detok.finalize()
+        text = m.stops.feed(m.detok.last_segment)
+        if text:
+            m.job.put(JobEvent("text", text=text))
+        return m.stops.stopped or r.finish_reason is not None
+
+    def _leave(self, decoder, members: dict, uid: int, reported: bool) -> None:
+        """End one member: removed from the decoder unless the BatchGenerator already finished it; its events,
+        its record, its count."""
+        m = members.pop(uid)
+        if not reported:
+            decoder.remove([uid])
+        self.queue.set_active(len(members))
+        job = m.job
+        n = m.n
+        record = {"prompt_tokens": len(job.ids), "completion_tokens": n, "host_syncs": m.host_syncs,
+                  "forwards": n if reported else None, "one_sync_forwards": 0 if reported else None}
+        self.backend.add_run(record, None, time.perf_counter() - m.t0)
+        if job.cancel.is_set():
+            self.queue.end(job, "cancelled", m.started)
+            job.put(JobEvent("error", error="cancelled"))
+            return
+        tail = m.stops.flush()
+        if tail:
+            job.put(JobEvent("text", text=tail))
+        finish = "stop" if m.stops.stopped else (m.finish or "length")
+        self.queue.end(job, "completed", m.started, timed_out=m.timed_out)
+        job.put(JobEvent("done", finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n,
+                                 stop_sequence=m.stops.matched, cached_tokens=None))

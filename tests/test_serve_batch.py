@@ -1,0 +1,195 @@
+"""`specmoe serve --max-batch`: concurrent requests decoded together, each as it would be alone.
+
+In-process on the embedded target at a 25% budget (experts are read, so the union matters):
+- queue level: requests submitted together are batched (newcomers join, short ones leave first);
+  each one's streamed text, finish_reason and completion_tokens equal what the same request gets
+  alone (greedy; stock mlx-lm's BatchGenerator and single-sequence decoding agree on this model,
+  bench/results/batch_stock_drift.txt), a stop string cuts one of them with its held-back text;
+- a cancelled member (what a client disconnect sets) ends alone, the others finish unchanged;
+- over HTTP: concurrent chat requests (one streaming with a stop string) equal their runs alone,
+  /health shows more than one request running at once, the stats report batch sizes and unique <
+  summed expert lookups, and the lifetime counters still add up;
+- planted: tokens routed to the wrong request's stream are caught by the same comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from runtime.checkpoints import embedded_pair
+from runtime.serve import Backend, GenerationQueue, SamplingDefaults, ServerState, build_app
+from runtime.serve.batch_run import BatchRun
+from runtime.serve.server import context_limit, vocab_size
+from runtime.serve.validation import CompletionRequest
+
+PROMPTS = ["Enter the king, with his lords. The king speaks:", "What says the queen?",
+           "Once upon a time", "The sky is blue because"]
+MAX_TOKENS = [14, 6, 10, 12]  # different lengths: members leave at different steps
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from runtime import load
+
+    with load(embedded_pair().target, budget="25%") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def backend(engine):
+    return Backend(engine)
+
+
+def _request(prompt: str, max_tokens: int, stop: list[str] | None = None) -> CompletionRequest:
+    return CompletionRequest(kind="text", model=None, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                             stop=list(stop or []), stream=True)
+
+
+def _run(queue: GenerationQueue, backend, requests: list, cancel: dict | None = None) -> list[dict]:
+    """Submit all requests at once; each one's text events, final event. `cancel` {index: after n text events}."""
+    async def main():
+        jobs = [queue.submit(backend.encode(r), r) for r in requests]
+
+        async def consume(i, job):
+            texts = []
+            while True:
+                e = await asyncio.wait_for(job.events.get(), timeout=120)
+                if e.kind == "text":
+                    texts.append(e.text)
+                    if cancel and i in cancel and len(texts) >= cancel[i]:
+                        job.cancel.set()
+                    continue
+                return {"texts": texts, "text": "".join(texts), "kind": e.kind, "finish": e.finish_reason,
+                        "tokens": e.completion_tokens, "error": e.error}
+
+        return await asyncio.gather(*(consume(i, j) for i, j in enumerate(jobs)))
+
+    return asyncio.run(main())
+
+
+def _alone(queue, backend, requests) -> list[dict]:
+    return [_run(queue, backend, [r])[0] for r in requests]
+
+
+@pytest.fixture(scope="module")
+def alone(backend):
+    q = GenerationQueue(backend, max_batch=4)
+    try:
+        steps = backend.batch_stats()["steps"]
+        out = _alone(q, backend, [_request(p, m) for p, m in zip(PROMPTS, MAX_TOKENS)])
+        assert backend.batch_stats()["steps"] == steps  # nobody waited: each ran on the one-request path
+        return out
+    finally:
+        q.close()
+
+
+def _batched(backend, requests, cancel=None):
+    q = GenerationQueue(backend, max_batch=4)
+    try:
+        before = backend.batch_stats()
+        out = _run(q, backend, requests, cancel)
+        return out, before, backend.batch_stats(), q.status()
+    finally:
+        q.close()
+
+
+def test_batched_requests_equal_their_runs_alone_and_a_stop_string_cuts_one(backend, alone):
+    stop = alone[0]["text"][5:8]
+    assert len(stop) == 3 and stop not in alone[0]["text"][:7]
+    requests = [_request(p, m, [stop] if i == 0 else None) for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))]
+    requests.append(_request(PROMPTS[1], MAX_TOKENS[1]))  # a fifth: waits for a place, joins mid-run
+    out, before, after, status = _batched(backend, requests)
+    assert after["steps"] > before["steps"] and after["max_seen"] >= 2  # they were decoded together
+    assert after["unique_experts"] - before["unique_experts"] < after["summed_experts"] - before["summed_experts"]
+    assert after["current"] == 0 and status["running"] == 0 and status["completed"] == len(requests)
+    first = out[0]
+    assert first["kind"] == "done" and first["finish"] == "stop"
+    assert first["text"] == alone[0]["text"][:alone[0]["text"].index(stop)]  # cut before the stop, held text kept
+    for got, want in zip(out[1:], alone[1:] + [alone[1]]):
+        assert (got["kind"], got["text"], got["finish"], got["tokens"]) == \
+               (want["kind"], want["text"], want["finish"], want["tokens"])
+    assert len(out[3]["texts"]) > 1  # streamed token by token, not in one piece
+
+
+def test_a_cancelled_member_ends_alone_and_the_others_finish_unchanged(backend, alone):
+    requests = [_request(p, m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    out, before, after, status = _batched(backend, requests, cancel={0: 2})
+    assert out[0]["kind"] == "error" and out[0]["error"] == "cancelled"
+    assert len(out[0]["texts"]) < MAX_TOKENS[0]  # it stopped early
+    assert status["cancelled"] == 1 and status["completed"] == 3 and status["running"] == 0
+    for got, want in zip(out[1:], alone[1:]):
+        assert (got["text"], got["finish"], got["tokens"]) == (want["text"], want["finish"], want["tokens"])
+
+
+def test_planted_tokens_routed_to_the_wrong_stream_are_caught(backend, alone, monkeypatch):
+    def wrong(members, uid):  # the next member's stream gets the token
+        uids = sorted(members)
+        return members[uids[(uids.index(uid) + 1) % len(uids)]] if uid in members else None
+
+    monkeypatch.setattr(BatchRun, "_member_of", staticmethod(wrong))
+    requests = [_request(p, m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    out, *_ = _batched(backend, requests)
+    assert [o["text"] for o in out] != [a["text"] for a in alone]
+
+
+def test_http_concurrent_requests_batch_and_the_counters_add_up(engine, backend):
+    from starlette.testclient import TestClient
+
+    cfg = engine.model.config
+    queue = GenerationQueue(backend, max_batch=4)
+    state = ServerState(backend, queue, "tiny-target", frozenset(), SamplingDefaults(max_tokens=8), 64,
+                        context_tokens=context_limit(cfg), vocab_size=vocab_size(cfg))
+    bodies = [{"messages": [{"role": "user", "content": p}], "max_tokens": m, "temperature": 0}
+              for p, m in zip(PROMPTS, MAX_TOKENS)]
+    try:
+        with TestClient(build_app(state), base_url="http://127.0.0.1:8080") as client:
+            def content(r):
+                if r.headers["content-type"].startswith("text/event-stream"):
+                    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+                    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+                    return text, events[-1]["usage"]["completion_tokens"]
+                return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["completion_tokens"]
+
+            alone = [content(client.post("/v1/chat/completions", json=b)) for b in bodies]
+            stop = alone[0][0][4:7]
+            bodies[0] = {**bodies[0], "stream": True, "stream_options": {"include_usage": True}, "stop": [stop]}
+            before = client.get("/v1/specmoe/stats").json()
+            results, running, done = [None] * len(bodies), [], threading.Event()
+
+            def post(i):
+                results[i] = content(client.post("/v1/chat/completions", json=bodies[i]))
+
+            def watch():
+                while not done.is_set():
+                    running.append(client.get("/health").json()["queue"]["running"])
+                    time.sleep(0.02)
+
+            threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            done.set()
+            watcher.join()
+            after = client.get("/v1/specmoe/stats").json()
+            health = client.get("/health").json()
+    finally:
+        queue.close()
+    assert max(running) > 1  # /health saw requests decoding together
+    assert results[0][0] == alone[0][0][:alone[0][0].index(stop)]
+    assert results[1:] == alone[1:]
+    b = after["batching"]
+    assert b["max_seen"] >= 2 and b["histogram"] and b["unique_experts"] < b["summed_experts"]
+    assert health["queue"]["max_batch"] == 4 and "batched" in health["queue"]["mode"]
+    added = after["requests"]["completion_tokens"] - before["requests"]["completion_tokens"]
+    assert added == sum(n for _, n in results)  # every request's tokens counted once
+    assert after["requests"]["requests"] - before["requests"]["requests"] == len(bodies)
+    syncs = after["host_syncs"]
+    assert syncs["forwards"] >= syncs["reported_tokens"] and syncs["one_sync_forwards"] <= syncs["forwards"]
