@@ -130,6 +130,7 @@ run memory python bench/bench_memory.py
 # full scale (bench/capped_run.py; root for the cgroup caps, ~20 GB free in $FULLSCALE_DIR, ~30 min): a 19 GB Qwen3-30B-A3B-shaped checkpoint, stock resident, specmoe 100%, and 4GB/auto budgets and stock under 10.7 and 8 GB caps
 run fullscale_qwen3-30b-a3b bash -c 'd=${FULLSCALE_DIR:-/tmp}/fullscale-qwen3-30b-a3b; [[ -d $d ]] || python -m bench.fullscale_checkpoint --preset qwen3-30b-a3b --out "$d" >&2 || exit 1; python -m bench.capped_run --model "$d" --caps 10.7GB,8GB --budgets 4GB,auto --stock-capped -n 12'
 run fullscale_gpt-oss-20b bash -c 'd=${FULLSCALE_DIR:-/tmp}/fullscale-gpt-oss-20b; [[ -d $d ]] || python -m bench.fullscale_checkpoint --preset gpt-oss-20b --out "$d" >&2 || exit 1; python -m bench.capped_run --model "$d" --caps 8GB --budgets 4GB,auto --stock-capped -n 8'
+run fullscale_qwen3-30b-a3b_local bash -c 'd=${FULLSCALE_DIR:-/tmp}/fullscale-qwen3-30b-a3b-local; [[ -d $d ]] || python -m bench.fullscale_checkpoint --preset qwen3-30b-a3b --skew 1 --locality 0.5 --out "$d" >&2 || exit 1; python -m bench.capped_run --model "$d" --caps 8GB --budgets 4GB --stock-capped -n 8'
 run loader python bench/bench_loader.py --trials 5
 run telemetry python bench/bench_telemetry.py --trials 7
 run verify python bench/bench_verify.py
