@@ -14,6 +14,8 @@ std `gain / sqrt(in_features)`, with biases = -mid * scales (codes centred on ze
                   attention share puts the running mean of the context's values in every token's hidden
                   state, so consecutive tokens route alike (measured: tests/test_fullscale_checkpoint.py).
                   GatedDeltaNet layers get a longer memory for the same reason: A_log shifted by -8 P.
+                  On the 48-layer Qwen3 shape, P = 0.5 (with S = 1) is so strong that greedy decoding
+                  repeats one token (bench/results/fullscale_qwen3-30b-a3b_local.txt).
     skew          a fixed direction u (+-1 per quantization group) is added to every embedding row, and
                   each router row e gets S * z_e * u (z_e ~ N(0, 1) per layer; gpt-oss: its router bias
                   S * z_e): every token's logit for expert e is offset by about S * z_e, so the experts
