@@ -95,10 +95,15 @@ def serve_process(args: list[str], log_path: Path, startup_s: float = 240.0, env
         wait_for_health(base, proc, log_path, startup_s, "specmoe serve")
         yield base, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+        end_process(proc, log)
+
+
+def end_process(proc: subprocess.Popen, log) -> None:
+    """Terminate a server process (kill it if it lingers) and close its log."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    log.close()

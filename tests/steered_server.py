@@ -56,13 +56,7 @@ def steered_serve(model: Path, tmp: Path, *args: str, startup_s: float = 240.0):
         wait_for_health(steering.base, proc, log_path, startup_s, "specmoe serve (steered)")
         yield steering
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+        end_process(proc, log)
 
 
 def _install(force_file: Path, prompt_log: Path) -> None:
