@@ -29,8 +29,9 @@ KV_BITS_WITH_DRAFT = ("--kv-bits with --draft: the speculative decoder keeps its
 
 def one_sync_option():
     return typer.Option("auto", "--one-sync",
-                        help="Decode steps and verify passes look experts up on the device with one host sync, "
-                             "repaired when one was absent: auto/on; off: one sync per MoE layer.")
+                        help="auto (default): one host sync per token while the budget holds every expert "
+                             "(device lookups, repaired when one was absent), else one sync per MoE layer; "
+                             "on/off force the device pass or per-layer syncs (for comparisons; docs/flags.md).")
 
 
 def io_mode_option():

@@ -54,7 +54,7 @@ class GenerationStats:
     wasted_reads: int = 0  # experts read by repairs that the repaired forward did not use
     bookkeeping_us_per_layer_call: float = 0.0  # host bookkeeping per MoE layer call (off the critical path)
     prefill: PrefillStats | None = None  # the prompt: tokens/s, reads, bytes, reads per routed expert
-    prefetch_reads_per_token: float = 0.0  # decode: experts read because a forecast (lookahead) named them
+    prefetch_reads_per_token: float = 0.0  # decode: experts read because a forecast named them (plain decoding queues none)
     prefetch_used_per_token: float = 0.0  # decode: of those, used by a call
     prefetch_wasted_per_token: float = 0.0  # decode: prefetched experts evicted unused
     early_forwards: int = 0  # forwards built before the previous one's sync (runtime/decode/next_forward.py)
