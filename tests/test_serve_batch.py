@@ -93,9 +93,9 @@ def _batched(backend, requests, cancel=None):
     try:
         before = backend.batch_stats()
         out = _run(q, backend, requests, cancel)
-        return out, before, backend.batch_stats(), q.status()
     finally:
-        q.close()
+        q.close()  # the worker is done with the batch once it has stopped
+    return out, before, backend.batch_stats(), q.status()
 
 
 def test_batched_requests_equal_their_runs_alone_and_a_stop_string_cuts_one(backend, alone):
@@ -188,6 +188,7 @@ def test_http_concurrent_requests_batch_and_the_counters_add_up(engine, backend)
     b = after["batching"]
     assert b["max_seen"] >= 2 and b["histogram"] and b["unique_experts"] < b["summed_experts"]
     assert health["queue"]["max_batch"] == 4 and "batched" in health["queue"]["mode"]
+    assert health["batching"]["max_seen"] >= 2 and health["batching"]["mean_sequences"] > 1
     added = after["requests"]["completion_tokens"] - before["requests"]["completion_tokens"]
     assert added == sum(n for _, n in results)  # every request's tokens counted once
     assert after["requests"]["requests"] - before["requests"]["requests"] == len(bodies)

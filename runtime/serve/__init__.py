@@ -2,7 +2,8 @@
 
 Owns: request validation (`validation`), who may call (`security`: Host, Origin, API key), the
 bounds of a request (`limits`: body size and time, queue, run time), uvicorn's protocol with a
-header deadline (`protocol`), the one-at-a-time generation queue (`queue`), stop strings
+header deadline (`protocol`), the generation queue (`queue`) and its batches of concurrent requests
+(`batch_run`, --max-batch), stop strings
 (`stops`), OpenAI response objects and SSE framing (`sse`), the Starlette routes (`app`), the
 engine adapter shared with `specmoe chat` (`backend`), a chat conversation (`chat_session`),
 server start-up (`server`); for agents, the Anthropic Messages API (`anthropic_shapes` requests,
@@ -12,7 +13,7 @@ OpenAI by `openai_reply`).
 
 Invariants kept at this boundary: HTTP is parsed by Starlette/uvicorn, never by hand; client
 errors are 4xx JSON naming the problem and the server keeps serving; the model is used by one
-thread, one request at a time; a disconnected client's generation is cancelled.
+thread, one request at a time or one batch of them; a disconnected client's generation is cancelled.
 """
 
 from runtime.serve.app import ServerState, build_app

@@ -3,7 +3,7 @@
     POST /v1/chat/completions   chat.completion, or SSE chat.completion.chunk ... [DONE]
     POST /v1/completions        text_completion, or SSE text_completion ... [DONE]
     GET  /v1/models             the one model this server serves
-    GET  /health                {"status": "ok", "queue": {...}}: requests run one at a time
+    GET  /health                {"status": "ok", "queue": {...}, "batching": {...}}: requests running, batch sizes
     GET  /v1/specmoe/stats      hit rate, host syncs, bytes read, acceptance, memory
     POST /v1/messages, /v1/messages/count_tokens   the Anthropic Messages API (runtime.serve.anthropic_routes)
 
@@ -205,8 +205,13 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"object": "list", "data": [
             {"id": state.model_id, "object": "model", "created": 0, "owned_by": "specmoe"}]})
 
+    batch_stats = getattr(state.backend, "batch_stats", None)
+
     async def health(request: Request):
-        return JSONResponse({"status": "ok", "queue": state.queue.status()})
+        body = {"status": "ok", "queue": state.queue.status()}
+        if batch_stats is not None:  # batch sizes and unique vs summed expert lookups (runtime.serve.backend)
+            body["batching"] = batch_stats()
+        return JSONResponse(body)
 
     takes_paths = "paths" in inspect.signature(state.backend.stats).parameters
 
