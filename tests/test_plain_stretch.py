@@ -43,8 +43,8 @@ def test_a_never_accepted_drafter_decodes_stock_tokens_through_stretches(family,
         s = decoder.stats
         assert s.n_accepted == 0 and s.n_plain_rounds > N / 2, history
         assert history[0] == [3, 1] and history[1][0] == 0  # rejected outright: drafting stops after one round
-        assert [1, 1] in history  # probes ran ...
-        assert s.one_sync_tries == (1 if one_sync != "off" else 0)  # ... without a verify window: one verify in all
+        assert sum(k == 1 for k, _ in history) >= 2  # probes ran ...
+        assert s.one_sync_tries == (0 if one_sync == "off" else 1)  # ... without a verify window: the first round's only
     finally:
         om.close()
 

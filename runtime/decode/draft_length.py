@@ -35,7 +35,7 @@ class DraftLength:
 
     def __post_init__(self):
         self.k = self.k_max  # the K of the next round
-        self.acceptance = 1.0  # running acceptance (begin at k_max; the first drafting round sets it)
+        self.acceptance = 1.0  # running acceptance (the first drafting round sets it)
         self.n_drafting = 0  # rounds with K > 0 recorded
         self.stretch = self.backoff  # plain rounds per fallback
         self.plain_left = 0  # plain rounds left before the probe

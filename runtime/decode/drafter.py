@@ -102,6 +102,9 @@ class ModelDrafter:
             raise ValueError("a sampled proposal needs the decoder's random generator (rng)")
         taps, best, qs = DraftTaps(), [], []
         feed: list[int] | mx.array = self.pending
+        if len(feed) > 1:  # catching up (a stretch's tokens): all but the last through the KV only, their logits unbuilt
+            self.model(mx.array(feed[:-1])[None], cache=self.cache)  # (an output layer of 150K rows costs per position)
+            feed = feed[-1:]
         for i in range(k):  # pipelined (the module docstring): one read of the round's tokens, at its end
             logits = self._step(feed, taps)
             extra = on_taps(taps) if on_taps else None
