@@ -78,6 +78,8 @@ run readless_replay python bench/bench_readless.py --skip-live
 retired readless_live "the live router lookahead: slower or within the noise"
 retired readless_speculative "the router lookahead past the cutoff: slower"
 run speculative python bench/bench_speculative.py --repeats 3
+run speculative_unaccepted python bench/bench_speculative_unaccepted.py --repeats 3  # a never-accepted drafter vs plain
+run predictor_default python bench/bench_predictor_default.py  # a projection fitted on first use: its cost at load
 retired speculative_recall "spmoe at 2k experts per window token: the forecast width"
 for k in 5 6; do
   retired speculative_forecast_k$k "the forecast width"
