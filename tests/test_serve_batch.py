@@ -9,6 +9,7 @@ In-process on the embedded target at a 25% budget (experts are read, so the unio
 - over HTTP: concurrent chat requests (one streaming with a stop string) equal their runs alone,
   /health shows more than one request running at once, the stats report batch sizes and unique <
   summed expert lookups, and the lifetime counters still add up;
+- each member samples with its own settings: a hot request leaves the greedy ones unchanged;
 - planted: tokens routed to the wrong request's stream are caught by the same comparison.
 """
 
@@ -89,10 +90,13 @@ def alone(backend):
 
 
 def _batched(backend, requests, cancel=None):
+    """The requests submitted together behind a short lead request: the lead finds nobody waiting and runs
+    alone (or joins them), so every request under test is decoded in a batch."""
     q = GenerationQueue(backend, max_batch=4)
     try:
         before = backend.batch_stats()
-        out = _run(q, backend, requests, cancel)
+        out = _run(q, backend, [_request("Hello", 2)] + requests,
+                   {i + 1: n for i, n in (cancel or {}).items()})[1:]
     finally:
         q.close()  # the worker is done with the batch once it has stopped
     return out, before, backend.batch_stats(), q.status()
@@ -106,7 +110,7 @@ def test_batched_requests_equal_their_runs_alone_and_a_stop_string_cuts_one(back
     out, before, after, status = _batched(backend, requests)
     assert after["steps"] > before["steps"] and after["max_seen"] >= 2  # they were decoded together
     assert after["unique_experts"] - before["unique_experts"] < after["summed_experts"] - before["summed_experts"]
-    assert after["current"] == 0 and status["running"] == 0 and status["completed"] == len(requests)
+    assert after["current"] == 0 and status["running"] == 0 and status["completed"] == len(requests) + 1
     first = out[0]
     assert first["kind"] == "done" and first["finish"] == "stop"
     assert first["text"] == alone[0]["text"][:alone[0]["text"].index(stop)]  # cut before the stop, held text kept
@@ -121,9 +125,20 @@ def test_a_cancelled_member_ends_alone_and_the_others_finish_unchanged(backend, 
     out, before, after, status = _batched(backend, requests, cancel={0: 2})
     assert out[0]["kind"] == "error" and out[0]["error"] == "cancelled"
     assert len(out[0]["texts"]) < MAX_TOKENS[0]  # it stopped early
-    assert status["cancelled"] == 1 and status["completed"] == 3 and status["running"] == 0
+    assert status["cancelled"] == 1 and status["completed"] == 4 and status["running"] == 0
     for got, want in zip(out[1:], alone[1:]):
         assert (got["text"], got["finish"], got["tokens"]) == (want["text"], want["finish"], want["tokens"])
+
+
+def test_each_member_samples_with_its_own_settings(backend, alone):
+    """A hot request (temperature 1.5) in the batch leaves the greedy ones as they are alone."""
+    requests = [_request(p, m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    requests[0].temperature = 1.5
+    out, before, after, _ = _batched(backend, requests)
+    assert after["max_seen"] >= 2
+    assert out[0]["text"] != alone[0]["text"]  # it did sample (14 tokens at 1.5 all greedy: vanishingly unlikely)
+    for got, want in zip(out[1:], alone[1:]):
+        assert (got["text"], got["tokens"]) == (want["text"], want["tokens"])
 
 
 def test_planted_tokens_routed_to_the_wrong_stream_are_caught(backend, alone, monkeypatch):
