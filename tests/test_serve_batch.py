@@ -8,7 +8,8 @@ In-process on the embedded target at a 25% budget (experts are read, so the unio
 - a cancelled member (what a client disconnect sets) ends alone, the others finish unchanged;
 - over HTTP: concurrent chat requests (one streaming with a stop string) equal their runs alone,
   /health shows more than one request running at once, the stats report batch sizes and unique <
-  summed expert lookups, and the lifetime counters still add up;
+  summed expert lookups, and the lifetime counters still add up (every host sync of a batch is in
+  some request's record);
 - each member samples with its own settings: a hot request leaves the greedy ones unchanged;
 - planted: tokens routed to the wrong request's stream are caught by the same comparison.
 """
@@ -93,12 +94,15 @@ def _batched(backend, requests, cancel=None):
     """The requests submitted together behind a short lead request: the lead finds nobody waiting and runs
     alone (or joins them), so every request under test is decoded in a batch."""
     q = GenerationQueue(backend, max_batch=4)
+    syncs0, counted0 = backend.host_syncs(), backend.stats()["host_syncs"]["total"]
     try:
         before = backend.batch_stats()
         out = _run(q, backend, [_request("Hello", 2)] + requests,
                    {i + 1: n for i, n in (cancel or {}).items()})[1:]
     finally:
         q.close()  # the worker is done with the batch once it has stopped
+    # every host sync of the batch is in some request's record (each step's shared among its members)
+    assert backend.stats()["host_syncs"]["total"] - counted0 == backend.host_syncs() - syncs0 > 0
     return out, before, backend.batch_stats(), q.status()
 
 
