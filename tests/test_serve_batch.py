@@ -1,6 +1,7 @@
 """`specmoe serve --max-batch`: concurrent requests decoded together, each as it would be alone.
 
-In-process on the embedded target at a 25% budget (experts are read, so the union matters):
+In-process on the embedded target at 25% (experts are read, so the union matters) and 100% (lone
+requests run the one-sync device pass between the batches):
 - queue level: requests submitted together are batched (newcomers join, short ones leave first);
   each one's streamed text, finish_reason and completion_tokens equal what the same request gets
   alone (greedy; stock mlx-lm's BatchGenerator and single-sequence decoding agree on this model,
@@ -34,11 +35,13 @@ PROMPTS = ["Enter the king, with his lords. The king speaks:", "What says the qu
 MAX_TOKENS = [14, 6, 10, 12]  # different lengths: members leave at different steps
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["25%", "100%"])
+def engine(request):
+    """25%: experts are read, the union matters; 100%: lone requests run the one-sync device pass, which
+    the batches between them must not disturb (nor it them)."""
     from runtime import load
 
-    with load(embedded_pair().target, budget="25%") as e:
+    with load(embedded_pair().target, budget=request.param) as e:
         yield e
 
 
