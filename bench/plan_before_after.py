@@ -1,5 +1,8 @@
 """The plan for Qwen3-30B-A3B and Qwen3.5-35B-A3B on a 16 GB M4, cost model v1 (before) against v2
-(after), term by term. Projections only (no measurement): deterministic, so one run suffices.
+(after), term by term. v2 prices the engine's default (`--one-sync auto`: below a full budget, one host
+sync per MoE layer + 1 per token); the last column prices device passes at every budget (`--one-sync on`,
+one sync per forward + repairs), v2's count before the default changed. Projections only (no
+measurement): deterministic, so one run suffices.
 
 Run: python bench/plan_before_after.py   (table, then one JSON line)
 """
@@ -28,6 +31,7 @@ def terms(plan: dict) -> dict:
         "prefetch_tok_s": round(plan["projections"][1]["tok_per_s"], 2),
         "spec_prefetch_tok_s": round(spec["tok_per_s"], 2),
         "spec_speedup": round(plan["projections"][2]["spec"]["speedup"], 2),
+        "verify_syncs": plan["projections"][3]["step"].get("host_syncs") or None,
         "draft_ratio": round(plan["projections"][2]["spec"]["draft_ratio"], 2),
         "hit_for_10": plan["required_hit_rate"].get("baseline"),
         "ttft_s_1000": (plan.get("prefill") or {}).get("ttft_s"),
@@ -42,14 +46,14 @@ def main() -> dict:
         before = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v1"))
         after = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v2"))
         fast = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v2", fast_synch=True))
-        no_repair = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v2", repairs_per_token=0.0))
-        record["models"][model] = {"v1": before, "v2": after, "v2_fast_synch": fast, "v2_no_repairs": no_repair}
+        passes = terms(build_plan(model_ref=model, mac_name="m4-16gb", cost_model="v2", one_sync="on"))
+        record["models"][model] = {"v1": before, "v2": after, "v2_fast_synch": fast, "v2_one_sync_on": passes}
         for key in before:
-            rows.append((model, key, before[key], after[key], fast[key], no_repair[key]))
+            rows.append((model, key, before[key], after[key], fast[key], passes[key]))
     print(f"{'model':16s} {'term':20s} {'v1 (before)':>12s} {'v2 (after)':>12s} {'v2 fast-synch':>14s} "
-          f"{'v2 0 repairs':>13s}")
+          f"{'v2 one-sync on':>15s}")
     for model, key, a, b, c, d in rows:
-        print(f"{model:16s} {key:20s} {str(a):>12s} {str(b):>12s} {str(c):>14s} {str(d):>13s}")
+        print(f"{model:16s} {key:20s} {str(a):>12s} {str(b):>12s} {str(c):>14s} {str(d):>15s}")
     print("every figure is a projection of the planner's cost model (specmoe plan --mac m4-16gb), not a measurement")
     print(json.dumps(record))
     return record

@@ -265,7 +265,7 @@ def render(record: dict, markdown: bool) -> str:
     lines += [
         "",
         f"v2 model A (1 fitted constant): layer_us = {fa['layer_us']:.0f} us per MoE layer on all {record['n_rows']} "
-        "rows; every host sync 180 us, command buffers 20 us (mlx issues 4438, 4521)",
+        "rows; every host sync 180 us, command buffers 20 us (ml-explore/mlx#4438, #4521)",
         f"v2 model B (2 fitted constants): layer_us = {fb['layer_us']:.0f} us, and a per-layer wait of engines that "
         f"sync every layer = {fb['wait_us']:.0f} us (once-per-forward syncs stay 180 us)",
         "v2 model C (2 fitted constants): layer_us per sync style, " + ", ".join(

@@ -61,7 +61,8 @@ def test_fast_synch_and_measured_values_replace_assumptions():
 def test_v2_forward_is_the_sum_of_its_terms():
     model, mac = costs("qwen3-30b-a3b"), mac_profile("m4-16gb")
     engine = specmoe_engine(repairs_per_token=0.5)
-    step = forward_time(model, mac, HitRates(0.8, 0.0, "t"), CostConstants(engine=engine))
+    # A device pass (the engine's path at a full budget), here with measured repairs.
+    step = forward_time(model, mac, HitRates(0.8, 0.0, "t", full_budget=True), CostConstants(engine=engine))
     layers = model.n_moe_layers
     fixed = (MLX_DEFAULT_FENCE_US + layers * (2 * COMMAND_BUFFER_US + engine.layer_us)) / 1000
     assert step.sync_ms == pytest.approx(fixed)

@@ -98,12 +98,14 @@ def build_plan(
     syncs_per_token: float | None = None,
     measured: dict[str, Any] | None = None,
     prompt_tokens: int = 1000,
+    one_sync: str = "auto",
 ) -> dict[str, Any]:
     """All planner results for one question, as JSON-ready data. Raises ValueError on bad input.
 
     `cost_model` "v2" prices host syncs, command buffers, layer time and repairs from the engine's
     counts (runtime/plan/engine_costs.py); "v1" is the single fitted per-layer constant. `measured`
-    (from `measured_from_doctor`) replaces assumed inputs with what `specmoe doctor` measured."""
+    (from `measured_from_doctor`) replaces assumed inputs with what `specmoe doctor` measured; `one_sync`
+    prices the engine's `--one-sync` mode (the default, auto, is what a plan is for)."""
     if cost_model not in ("v1", "v2"):
         raise ValueError(f"--cost-model must be v1 or v2, got {cost_model!r}")
     measured = dict(measured or {})
@@ -122,7 +124,7 @@ def build_plan(
     spec = SpecAssumptions(draft_len, acceptance, int(drafter_gb * 1e9), overlap_scale)
     engine = None
     if cost_model == "v2":
-        engine = specmoe_engine(fast_synch=fast_synch, repairs_per_token=repairs_per_token)
+        engine = specmoe_engine(fast_synch=fast_synch, repairs_per_token=repairs_per_token, one_sync=one_sync)
         sync_key = "fast_synch_sync_us" if fast_synch else "default_sync_us"
         engine = engine.with_measured(sync_us=measured.get(sync_key), repairs_per_token=measured.get("repairs_per_token"),
                                       syncs_per_token=syncs_per_token, syncs_per_layer=measured.get("syncs_per_layer"))
@@ -189,7 +191,8 @@ def build_plan(
             "name": engine.name, "sync_us": engine.sync_us, "syncs_per_forward": engine.syncs_per_forward,
             "syncs_per_layer": engine.syncs_per_layer, "command_buffers_per_layer": engine.command_buffers_per_layer,
             "command_buffer_us": engine.command_buffer_us, "layer_us": engine.layer_us,
-            "repairs_per_token": engine.repairs_per_token, "fast_synch": fast_synch},
+            "repairs_per_token": engine.repairs_per_token, "fast_synch": fast_synch,
+            "partial_syncs_per_layer": engine.partial_syncs_per_layer, "routed_windows": engine.routed_windows},
         "measured_inputs": measured,
         "assumed": assumed,
         "target_tok_s": target_tok_s,
@@ -218,7 +221,7 @@ def build_plan(
         results["projections"].append(projection_json(projection))
     for label, variant_spec, recall in (variants[0], variants[3]):
         needed = required_hit_rate(target_tok_s, model, mac, constants, context_tokens=context_tokens,
-                                   spec=variant_spec, prefetch_recall=recall)
+                                   spec=variant_spec, prefetch_recall=recall, full_budget=hits.full_budget)
         results["required_hit_rate"][label] = None if needed is None else round(needed, 4)
     return results
 

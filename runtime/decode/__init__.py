@@ -30,6 +30,7 @@ from runtime.decode.speculative_run import release_drafter, run_speculative, spe
 from runtime.decode.taps import HiddenTaps
 from runtime.decode.layer_replay import LayerReplay
 from runtime.decode.window_reads import WindowReads
+from runtime.decode.window_routes import REPAIR_EXTRA as ROUTE_REPAIR_EXTRA, SYNC_COST as ROUTE_SYNC_COST
 
 __all__ = [
     "BatchDecoder", "BatchStepStats", "BatchTotals",
@@ -40,5 +41,5 @@ __all__ = [
     "make_drafter", "PrefillMeter", "PrefillStats", "PromptCache", "GenerationStats", "encode_prompt", "generate_tokens", "holds_every_expert",
     "SpecConfig", "SpecStats", "SpeculativeDecoder", "run_speculative", "speculative_decoder", "release_drafter",
     "stream_tokens", "HiddenTaps", "Sampling", "accept_greedy", "accept_sampled", "probabilities", "sample", "DraftLength",
-    "LayerReplay", "WindowReads", "default_predictor",
+    "LayerReplay", "WindowReads", "default_predictor", "ROUTE_REPAIR_EXTRA", "ROUTE_SYNC_COST",
 ]

@@ -8,8 +8,8 @@ Time of one target forward over T tokens (T = 1 for plain decode, K+1 for a veri
     experts   = max(U(T) * L * expert bytes / bandwidth, expert FLOPs)   U(T): unique experts per layer
     I/O       = U(T) * L * expert bytes * (page-cache share / page-cache GB/s + SSD share / SSD GB/s)
     sync      = v1: L * sync_ms_per_layer (one constant fitted to one published run)
-                v2: host syncs, command buffers, layer time and repairs counted from the engine's code
-                    and priced at MLX's measured sync costs (engine_costs.py; CostConstants.engine)
+                v2: host syncs (per forward, or per MoE layer below a full budget), command buffers, layer
+                    time and repairs counted from the engine's code, priced at MLX's measured sync costs
 Prefetch hides up to recall * I/O behind the compute and sync time of the same pass (an upper bound:
 it ignores the memory-controller contention [FM] reports). Speculation follows MoESD's
 decomposition: a round costs K drafter steps + one verify forward (+ a rollback re-run for models
@@ -30,18 +30,12 @@ from runtime.plan.engine_costs import EngineProfile, engine_overhead
 from runtime.plan.mac_profiles import MacProfile
 from runtime.plan.model_costs import ModelCosts
 from runtime.plan.model_presets import hit_rate_observations
-from runtime.observe import (
-    expected_tokens_per_round,
-    fit_power_law_exponent,
-    power_law_hit_rate,
-    uniform_unique_experts,
-)
+from runtime.observe import expected_tokens_per_round, fit_power_law_exponent, power_law_hit_rate, uniform_unique_experts
 
 __all__ = [
-    "CostConstants", "MemoryPlan", "default_headroom_bytes", "plan_memory", "HitRates",
-    "hit_rates", "hit_rate_prior_exponent", "ForwardTime",
-    "forward_time", "SpecAssumptions", "SpecBreakdown", "Projection", "project",
-    "required_hit_rate", "projection_json", "DEFAULT_SYNC_MS_PER_LAYER", "draft_token_ms",
+    "CostConstants", "MemoryPlan", "default_headroom_bytes", "plan_memory", "HitRates", "hit_rates",
+    "hit_rate_prior_exponent", "ForwardTime", "forward_time", "SpecAssumptions", "SpecBreakdown", "Projection",
+    "project", "required_hit_rate", "projection_json", "DEFAULT_SYNC_MS_PER_LAYER", "draft_token_ms",
 ]
 
 # Fitted by bench/validate_planner.py on one published run (Qwen3.5-35B-A3B, K=8, M1 Pro 16 GB,
@@ -154,6 +148,7 @@ class HitRates:
     cache: float  # share of routed-expert reads served by the expert cache (already in memory)
     page_cache: float  # share served by pread from the OS page cache
     source: str  # where the numbers came from: "given", "all experts cached", "prior h=c^b"
+    full_budget: bool | None = None  # the cache holds every expert (the engine's sync counts); None: cache == 1
 
     def __post_init__(self) -> None:
         if not (0 <= self.cache <= 1 and 0 <= self.page_cache <= 1 and self.cache + self.page_cache <= 1 + 1e-9):
@@ -162,6 +157,10 @@ class HitRates:
     @property
     def ssd(self) -> float:
         return max(0.0, 1.0 - self.cache - self.page_cache)
+
+    @property
+    def holds_every_expert(self) -> bool:  # the budget the engine's sync counts follow
+        return self.cache >= 1.0 if self.full_budget is None else self.full_budget
 
 
 @lru_cache(maxsize=1)
@@ -176,7 +175,7 @@ def hit_rates(memory: MemoryPlan, hit_rate: float | None = None) -> HitRates:
     if hit_rate is not None and not 0 <= hit_rate <= 1:
         raise ValueError(f"--hit-rate must be in [0, 1], got {hit_rate!r}")
     if memory.cache_bytes >= memory.expert_total_bytes:
-        return HitRates(1.0, 0.0, "all experts cached")
+        return HitRates(1.0, 0.0, "all experts cached", full_budget=True)
     exponent = hit_rate_prior_exponent()
     cached = memory.cache_fraction
     prior_cache = power_law_hit_rate(cached, exponent)
@@ -188,7 +187,7 @@ def hit_rates(memory: MemoryPlan, hit_rate: float | None = None) -> HitRates:
         # The page cache catches the share of the cache's misses the prior says the larger pool catches.
         caught = (power_law_hit_rate(both, exponent) - prior_cache) / max(1e-12, 1.0 - prior_cache)
         page = (1.0 - cache) * caught
-    return HitRates(cache, page, source)
+    return HitRates(cache, page, source, full_budget=False)
 
 
 @dataclass(frozen=True)
@@ -204,6 +203,7 @@ class ForwardTime:
     repair_ms: float = 0.0  # v2: repairs (a sync and a partial re-run each)
     repairs: float = 0.0  # v2: repairs of this forward
     host_syncs: float = 0.0  # v2: host syncs of this forward, repairs included
+    routed_layers: float = 0  # v2: MoE layers a verify window syncs the routing of (below a full budget)
 
     @property
     def io_ms(self) -> float:
@@ -225,8 +225,10 @@ def forward_time(
     unique_expert_scale: float = 1.0,
     prefetch_recall: float = 0.0,
     extra_overlap_ms: float = 0.0,
+    window: bool | None = None,
 ) -> ForwardTime:
-    """Time of one target forward over `n_tokens` tokens; see the module docstring for the terms."""
+    """Time of one target forward over `n_tokens` tokens (module docstring); `window`: a verify window or
+    its re-run, a device pass at any budget (default: n_tokens > 1)."""
     if n_tokens < 1:
         raise ValueError(f"n_tokens must be >= 1, got {n_tokens!r}")
     if not 0 <= prefetch_recall <= 1:
@@ -247,21 +249,21 @@ def forward_time(
     expert_ms = max(expert_bytes / bytes_per_ms, expert_flops / flops_per_ms)
     page_cache_ms = expert_bytes * hits.page_cache / (mac.page_cache_read_gbps * 1e6)
     ssd_ms = expert_bytes * hits.ssd / (mac.ssd_read_gbps * 1e6)
-    repair_ms = repairs = host_syncs = 0.0
+    repair_ms = repairs = host_syncs = routed = 0.0
     if constants.engine is None:
         sync_ms = model.n_moe_layers * constants.sync_ms_per_layer
     else:
-        engine = constants.engine
-        overhead = engine_overhead(engine, model.n_moe_layers, dense_ms + expert_ms, 1.0 - hits.cache,
-                                   unique * model.n_moe_layers)
+        overhead = engine_overhead(constants.engine, model.n_moe_layers, dense_ms + expert_ms, 1.0 - hits.cache,
+                                   unique * model.n_moe_layers, full_budget=hits.holds_every_expert,
+                                   window=n_tokens > 1 if window is None else window, depth=model.n_layers)
         sync_ms = overhead.sync_ms + overhead.command_buffer_ms + overhead.layer_ms
-        repair_ms, repairs = overhead.repair_ms, overhead.repairs
-        host_syncs = engine.syncs_per_forward + engine.syncs_per_layer * model.n_moe_layers + repairs
+        repair_ms, repairs, routed = overhead.repair_ms, overhead.repairs, overhead.routed_layers
+        host_syncs = overhead.host_syncs + repairs
     # The loader runs on its own threads: it can work through compute and host syncs alike.
     window_ms = dense_ms + expert_ms + sync_ms + extra_overlap_ms
     hidden_ms = min(prefetch_recall * (page_cache_ms + ssd_ms), window_ms)
     return ForwardTime(n_tokens, unique, dense_ms, expert_ms, page_cache_ms, ssd_ms, hidden_ms, sync_ms,
-                       repair_ms, repairs, host_syncs)
+                       repair_ms, repairs, host_syncs, routed)
 
 
 @dataclass(frozen=True)
@@ -341,7 +343,7 @@ def project(
         # experts were just loaded, so the re-run reads memory only.
         accepted = max(1, round(tokens - 1))
         rerun = forward_time(model, mac, HitRates(1.0, 0.0, "re-run"), constants,
-                             n_tokens=accepted, context_tokens=context_tokens)
+                             n_tokens=accepted, context_tokens=context_tokens, window=True)
         rollback_ms = (1 - spec.acceptance_rate**spec.draft_len) * rerun.total_ms
     round_ms = draft_ms + verify.total_ms + rollback_ms
     breakdown = SpecBreakdown(
@@ -364,13 +366,15 @@ def required_hit_rate(
     context_tokens: int = 4096,
     spec: SpecAssumptions | None = None,
     prefetch_recall: float = 0.0,
+    full_budget: bool | None = None,
 ) -> float | None:
-    """Smallest expert-cache hit rate (no page cache) reaching `target_tok_s`; None if even 100% misses it."""
+    """Smallest expert-cache hit rate (no page cache) reaching `target_tok_s`, None if even 100% misses it;
+    `full_budget`: the plan's budget holds every expert (None: only at a 100% hit rate)."""
     if not target_tok_s > 0:
         raise ValueError(f"--target-tok-s must be > 0, got {target_tok_s!r}")
 
     def speed(hit: float) -> float:
-        return project(model, mac, HitRates(hit, 0.0, "solve"), constants, context_tokens=context_tokens,
+        return project(model, mac, HitRates(hit, 0.0, "solve", full_budget), constants, context_tokens=context_tokens,
                        spec=spec, prefetch_recall=prefetch_recall).tok_per_s
 
     if speed(1.0) < target_tok_s:
