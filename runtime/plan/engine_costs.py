@@ -48,7 +48,7 @@ DEFAULT_LAYER_US = 693.0
 
 @dataclass(frozen=True)
 class EngineProfile:
-    name: str  # e.g. "specmoe (one sync per forward + repairs)"
+    name: str  # e.g. "specmoe (--one-sync auto)"
     syncs_per_forward: float = 1.0  # host syncs of one forward whatever its depth (token read-back)
     syncs_per_layer: float = 0.0  # more host syncs per MoE layer per forward (per-layer routing read-back)
     command_buffers_per_layer: float = 2.0  # command-buffer boundaries per MoE layer per forward
