@@ -10,8 +10,8 @@ completion tokens over the round's wall time, prefill and HTTP included), the pe
 (median over the round's requests), the ratio batch/one-at-a-time per repeat pair, medians with
 (min-max) spreads; the batched server's sequences per step and unique vs summed expert lookups per step
 (its /v1/specmoe/stats); and whether every request's text was the same on both servers (greedy).
-The first request of a round usually finds nobody waiting and runs alone (runtime/serve/queue.py); the
-others batch when it is done or join as they arrive. Prints a table and ends with one JSON line
+The first request of a round usually finds nobody waiting and starts alone (runtime/serve/queue.py); when
+the others wait it hands over to a batch with them (the server's queue.handed_over counts it). Prints a table and ends with one JSON line
 (bench/run_all.sh writes it to bench/results/ with the date and load average).
 """
 
@@ -129,6 +129,7 @@ def main() -> None:
             for name, base in order:
                 rows[name].append(_round(base, args.clients, args.max_tokens))
         stats = _get(batched + "/v1/specmoe/stats")["batching"]
+        handed_over = _get(batched + "/health")["queue"]["handed_over"]
         health_one = _get(one + "/health")["queue"]
     same = all(a["texts"] == b["texts"] for a, b in zip(rows["one"], rows["batch"]))
     ratio = [b["aggregate_tps"] / a["aggregate_tps"] for a, b in zip(rows["one"], rows["batch"])]
@@ -142,11 +143,12 @@ def main() -> None:
     print(f"batch / one at a time: aggregate {_fmt(ratio, 2)}, median latency {_fmt(lat, 2)}")
     print(f"batched server: {stats['steps']} decode steps, {stats['mean_sequences']:.2f} sequences per step "
           f"(max {stats['max_seen']}, histogram {stats['histogram']}), unique/summed expert lookups per step "
-          f"{stats['unique_per_step']:.1f} / {stats['summed_per_step']:.1f}")
+          f"{stats['unique_per_step']:.1f} / {stats['summed_per_step']:.1f}; requests handed over from alone to a "
+          f"batch: {handed_over}")
     print(f"same text on both servers, every request: {same} (one-at-a-time server mode: {health_one['mode']})")
     print(json.dumps({"bench": "serve_batch", "budget": args.budget, "clients": args.clients,
                       "max_batch": args.max_batch, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                      "same_text": same, "ratio": ratio, "latency_ratio": lat, "batching": stats,
+                      "same_text": same, "handed_over": handed_over, "ratio": ratio, "latency_ratio": lat, "batching": stats,
                       "rounds": {k: [{x: r[x] for x in ("aggregate_tps", "tokens", "wall_s", "latency_s")} for r in v]
                                  for k, v in rows.items()}}))
 

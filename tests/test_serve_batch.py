@@ -7,6 +7,7 @@ requests run the one-sync device pass between the batches):
   alone (greedy; stock mlx-lm's BatchGenerator and single-sequence decoding agree on this model,
   bench/results/batch_stock_drift.txt), a stop string cuts one of them with its held-back text;
 - a cancelled member (what a client disconnect sets) ends alone, the others finish unchanged;
+- a request running alone when others arrive hands over to their batch, its text unchanged;
 - over HTTP: concurrent chat requests (one streaming with a stop string) equal their runs alone,
   /health shows more than one request running at once, the stats report batch sizes and unique <
   summed expert lookups, and the lifetime counters still add up (every host sync of a batch is in
@@ -135,6 +136,40 @@ def test_a_cancelled_member_ends_alone_and_the_others_finish_unchanged(backend, 
     assert status["cancelled"] == 1 and status["completed"] == 4 and status["running"] == 0
     for got, want in zip(out[1:], alone[1:]):
         assert (got["text"], got["finish"], got["tokens"]) == (want["text"], want["finish"], want["tokens"])
+
+
+def test_a_request_running_alone_hands_over_to_a_batch_when_others_arrive(backend, alone):
+    """The first request runs alone; others arrive while it decodes: it goes on in their batch from its own
+    prompt cache, and every text (its own across the hand-over included) equals the run alone."""
+    q = GenerationQueue(backend, max_batch=4)
+    try:
+        lead = _request(PROMPTS[0], 40)
+        (lead_alone,) = _alone(q, backend, [lead])
+        rest = [_request(p, m) for p, m in zip(PROMPTS[1:], MAX_TOKENS[1:])]
+        before, totals0 = backend.batch_stats(), backend.stats()["requests"]
+
+        async def main():
+            job = q.submit(backend.encode(lead), lead)
+            first = await asyncio.wait_for(job.events.get(), timeout=120)  # it is decoding alone
+            jobs = [q.submit(backend.encode(r), r) for r in rest]
+
+            async def consume(j, texts):
+                while (e := await asyncio.wait_for(j.events.get(), timeout=120)).kind == "text":
+                    texts.append(e.text)
+                return "".join(texts), e.kind, e.completion_tokens
+
+            return await asyncio.gather(consume(job, [first.text]), *(consume(j, []) for j in jobs))
+
+        out = asyncio.run(main())
+    finally:
+        q.close()
+    assert q.status()["handed_over"] == 1
+    after, totals = backend.batch_stats(), backend.stats()["requests"]
+    assert out[0] == (lead_alone["text"], "done", lead_alone["tokens"])
+    assert [o[0] for o in out[1:]] == [a["text"] for a in alone[1:]]
+    assert after["steps"] > before["steps"] and after["max_seen"] >= 2
+    assert totals["requests"] - totals0["requests"] == 4  # the hand-over is not a second request
+    assert totals["completion_tokens"] - totals0["completion_tokens"] == sum(o[2] for o in out)
 
 
 def test_each_member_samples_with_its_own_settings(backend, alone):

@@ -158,8 +158,9 @@ class Backend:
         syncs0 = self._host_syncs()
         last, cached = None, None
         extra = {"kv_bits": self.kv_bits} if self.kv_bits else {}
+        self.last_prompt_cache = None  # the pool's cache this run uses (a batch continuing the run starts from it)
         if self.pool is not None:
-            extra["prompt_cache"] = cache = self.pool.take(ids)
+            extra["prompt_cache"] = cache = self.last_prompt_cache = self.pool.take(ids)
         try:
             for last in stream_generate(self.engine, ids, request.max_tokens, temp=request.temperature,
                                         top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
@@ -173,14 +174,15 @@ class Backend:
                       **_forwards(last.detail if last is not None else None, n)}
             self.add_run(record, cached, time.perf_counter() - t0, last.stats if last is not None else None)
 
-    def add_run(self, record: dict, cached: int | None, seconds: float, run_stats=None) -> None:
+    def add_run(self, record: dict, cached: int | None, seconds: float, run_stats=None, new_request: bool = True) -> None:
         """Add one request's record (prompt_tokens, completion_tokens, host_syncs, forwards, one_sync_forwards;
-        forwards None: ended early) to the lifetime counters; it becomes `last_request`."""
+        forwards None: ended early) to the lifetime counters; it becomes `last_request`. `new_request` False:
+        the record continues a request already counted (a run handed over to a batch)."""
         n = record["completion_tokens"]
         last = run_stats
         with self._lock:
             t = self._totals
-            t["requests"] += 1
+            t["requests"] += int(new_request)
             t["prompt_tokens"] += record["prompt_tokens"]
             t["completion_tokens"] += n
             t["cached_prompt_tokens"] += cached or 0

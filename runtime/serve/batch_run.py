@@ -10,12 +10,19 @@ leaves when it finishes (end of sequence, its max_tokens), matches a stop string
 (its client went away), or reaches --request-timeout; the others go on. The run returns when no
 member is left and no batchable job waits.
 
+`run(first, resume)` goes on with a request that ran alone until others came to wait
+(GenerationQueue hands it over after a token): its prompt cache is rolled back to what it holds of
+prompt + emitted tokens (PromptCache.reuse, at most all but the last), passed to the BatchGenerator
+as that sequence's cache (mlx-lm merges it into the batch's caches, as mlx_lm.server passes its
+prompt caches), and the rest is prefilled; its stop matcher, token count and start time carry over,
+and its detokenizer is replayed over the emitted tokens, so the text goes on where it was.
+
 Per request as on the one-at-a-time path: the same events, text, finish_reason and
 completion_tokens (the end-of-sequence token counted, not shown); its own sampler (temperature,
 top_p, top_k, min_p). Not batched (left for the queue to run alone): requests with a seed, and
 every request of an engine that cannot batch (speculative, --kv-bits; Backend.batchable). A job
 that cannot join stops admission, so jobs still start in arrival order. Batched requests take no
-prompt cache from the pool (cached_tokens None).
+prompt cache from the pool (cached_tokens None), but a resumed run starts from its own.
 
 Invariants: only the worker thread runs this; every admitted job ends with exactly one "done" or
 "error" event and is counted once by the queue (GenerationQueue.end); a token reaches only the job
@@ -40,6 +47,17 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Resume:
+    """A request that ran alone and goes on in a batch: what it has produced and what it holds."""
+
+    tokens: list[int]  # the tokens it has emitted (every one fed to its prompt cache)
+    stops: StopMatcher  # its stop matcher, held-back text included
+    started: float  # when it started (its --request-timeout counts from there)
+    cached: int | None  # prompt tokens its run took from the prompt cache
+    prompt_cache: object = None  # its runtime.decode.PromptCache (None: it had none), rolled back here
+
+
+@dataclass
 class _Member:
     job: object  # runtime.serve.queue.Job
     detok: object  # mlx-lm's streaming detokenizer, one per request
@@ -50,6 +68,8 @@ class _Member:
     host_syncs: int = 0  # this member's share of the steps' host syncs
     timed_out: bool = False
     finish: str | None = None  # the BatchGenerator's finish_reason: "stop" (end of sequence) or "length"
+    n0: int = 0  # tokens emitted before it joined (a resumed run), counted in that run's record
+    cached: int | None = None  # a resumed run's prompt tokens taken from the prompt cache
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -57,7 +77,8 @@ class BatchRun:
     def __init__(self, queue, backend, max_batch: int):
         self.queue, self.backend, self.max_batch = queue, backend, max_batch
 
-    def run(self, first) -> None:
+    def run(self, first, resume: Resume | None = None) -> None:
+        """Decode `first` (a run going on from `resume`, if given) and the jobs that join, until none is left."""
         try:
             decoder = self.backend.open_batch(self.max_batch)
         except Exception as e:
@@ -69,7 +90,7 @@ class BatchRun:
             while True:
                 while job is not None and len(members) < self.max_batch:
                     try:
-                        self._admit(decoder, members, job)
+                        self._admit(decoder, members, job, resume if job is first else None)
                     except Exception as e:  # this request cannot join (its prompt or settings): it alone fails
                         self._fail(job, e, time.monotonic())
                     job = self.queue.take_batchable() if len(members) < self.max_batch else None
@@ -103,14 +124,27 @@ class BatchRun:
         self.queue.end(job, "failed", started)
         job.put(JobEvent("error", error=f"{type(e).__name__}: {e}"))
 
-    def _admit(self, decoder, members: dict, job) -> None:
+    def _admit(self, decoder, members: dict, job, resume: Resume | None = None) -> None:
         req = job.request
         sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
-        started = time.monotonic()
         timeout = self.queue.request_timeout_s
-        (uid,) = decoder.insert([job.ids], [req.max_tokens], samplers=[sampler])
-        members[uid] = _Member(job, self.backend.tokenizer.detokenizer, StopMatcher(req.stop), started,
-                               None if timeout is None else started + timeout)
+        detok = self.backend.tokenizer.detokenizer
+        if resume is None:
+            started, stops, done = time.monotonic(), StopMatcher(req.stop), []
+            prompt, caches = job.ids, None
+        else:  # its cache rolled back to what it holds of prompt + tokens (all but the last), the rest prefilled
+            started, stops, done = resume.started, resume.stops, resume.tokens
+            full = job.ids + done
+            pc = resume.prompt_cache
+            k = pc.reuse(full) if pc is not None else 0
+            prompt, caches = full[k:], ([pc.cache] if k else None)
+            for t in done:  # the detokenizer picks up where the run's left off: the same text segments follow
+                detok.add_token(t)
+            detok.last_segment
+        (uid,) = decoder.insert([prompt], [req.max_tokens - len(done)], caches=caches,
+                                samplers=[sampler])
+        members[uid] = _Member(job, detok, stops, started, None if timeout is None else started + timeout,
+                               n=len(done), n0=len(done), cached=resume.cached if resume else None)
         self.queue.set_active(len(members))
 
     @staticmethod
@@ -152,9 +186,10 @@ class BatchRun:
         self.queue.set_active(len(members))
         job = m.job
         n = m.n
-        record = {"prompt_tokens": len(job.ids), "completion_tokens": n, "host_syncs": m.host_syncs,
-                  "forwards": n if reported else None, "one_sync_forwards": 0 if reported else None}
-        self.backend.add_run(record, None, time.perf_counter() - m.t0)
+        record = {"prompt_tokens": 0 if m.n0 else len(job.ids), "completion_tokens": n - m.n0,
+                  "host_syncs": m.host_syncs, "forwards": n - m.n0 if reported else None,
+                  "one_sync_forwards": 0 if reported else None}
+        self.backend.add_run(record, None, time.perf_counter() - m.t0, new_request=not m.n0)
         if job.cancel.is_set():
             self.queue.end(job, "cancelled", m.started)
             job.put(JobEvent("error", error="cancelled"))
@@ -165,4 +200,4 @@ class BatchRun:
         finish = "stop" if m.stops.stopped else (m.finish or "length")
         self.queue.end(job, "completed", m.started, timed_out=m.timed_out)
         job.put(JobEvent("done", finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n,
-                                 stop_sequence=m.stops.matched, cached_tokens=None))
+                                 stop_sequence=m.stops.matched, cached_tokens=m.cached))

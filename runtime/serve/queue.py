@@ -8,7 +8,9 @@ With `max_batch` > 1 (`--max-batch`), a batchable job (Backend.batchable: plain 
 that the worker takes while other jobs wait starts a batch (runtime/serve/batch_run.py): waiting
 batchable jobs join it between decode steps, up to `max_batch` at once, until it empties. A job
 that finds nobody waiting runs alone on the one-request path (prompt-cache pool, one-sync pass,
-lookahead): a batch of one decodes slower than that path (bench/results/batch.txt, B=1 rows).
+lookahead): a batch of one decodes slower than that path (bench/results/batch.txt, B=1 rows). When
+jobs wait while it runs, it hands over after its current token: it goes on as the first member of a
+batch (its KV taken from its prompt cache, its stop matcher and token count carried) and they join.
 
 At most `max_queue` jobs wait or run at once: `submit` raises QueueFull beyond that (the route
 answers 429 with Retry-After). With `request_timeout_s`, a generation that has run that long
@@ -94,7 +96,8 @@ class GenerationQueue:
         self.running = 0  # jobs generating now (a batch's members, or the one running alone)
         self.pending = 0  # submitted and not yet ended
         self._run_s = 0.0  # seconds the ended jobs ran, for Retry-After
-        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "refused": 0}
+        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "timed_out": 0, "refused": 0,
+                       "handed_over": 0}
         self._thread = threading.Thread(target=self._run, name="specmoe-generation", daemon=True)
         self._thread.start()
 
@@ -204,11 +207,14 @@ class GenerationQueue:
         n, finish, cached, timed_out = 0, "length", None, False
         deadline = None if self.request_timeout_s is None else started + self.request_timeout_s
         run = self.backend.stream(job.ids, request)
+        tokens, handover = [], False
         try:
             for response in run:
                 if job.cancel.is_set():
                     break
                 n += 1
+                if self.batching:  # what a hand-over to a batch carries
+                    tokens.append(response.token)
                 cached = getattr(response, "cached_tokens", cached)
                 text = stops.feed(response.text)
                 if text:
@@ -222,11 +228,23 @@ class GenerationQueue:
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True  # --request-timeout: ends as if max_tokens were reached
                     break
+                if self.batching and not self._jobs.empty() and self.backend.batchable(request):
+                    handover = True  # others wait: this request goes on in a batch with them
+                    break
         finally:
             run.close()  # ends the backend's stream (drafter taps removed, caches kept consistent)
         if job.cancel.is_set():
             self._count("cancelled", started)
             job.put(JobEvent("error", error="cancelled"))
+            return
+        if handover:
+            from runtime.serve.batch_run import BatchRun, Resume
+
+            with self._lock:
+                self.counts["handed_over"] += 1
+
+            resume = Resume(tokens, stops, started, cached, getattr(self.backend, "last_prompt_cache", None))
+            BatchRun(self, self.backend, self.max_batch).run(job, resume)  # ends the job and every one it admits
             return
         tail = stops.flush()
         if tail:
