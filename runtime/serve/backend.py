@@ -67,6 +67,7 @@ class Backend:
         self._last = None  # RunStats of the last finished request
         self._last_counts = None  # that request's counter record (what it added to the lifetime counters)
         self.pool = _prompt_pool(engine, prompt_cache_size)  # None: speculative (no prompt cache yet)
+        self.last_prompt_cache = None  # the pool's cache the latest run used (a hand-over to a batch starts from it)
         self._batch = {"steps": 0, "sequences": 0, "current": 0, "max_seen": 0, "histogram": {},
                        "unique_experts": 0, "summed_experts": 0, "reads": 0}
 
@@ -158,7 +159,7 @@ class Backend:
         syncs0 = self._host_syncs()
         last, cached = None, None
         extra = {"kv_bits": self.kv_bits} if self.kv_bits else {}
-        self.last_prompt_cache = None  # the pool's cache this run uses (a batch continuing the run starts from it)
+        self.last_prompt_cache = None
         if self.pool is not None:
             extra["prompt_cache"] = cache = self.last_prompt_cache = self.pool.take(ids)
         try:
