@@ -3,13 +3,14 @@
 spmoe feeds the drafter's hidden states to the target's routers, so a drafter of another width
 (a 0.6B-class drafter, width 1024, beside a 30B-A3B target, width 2048) needs a projection fitted
 for exactly this pair (`specmoe calibrate`). Fitting one when the pair is first loaded was measured
-against falling back (bench/results/predictor_default.txt): the fit is a teacher-forced target pass
-over hundreds of calibration tokens, each 256-token chunk routing nearly every expert of every
-layer, so with the experts paged from disk it reads the whole checkpoint per chunk (minutes at a
-30B-A3B's 19 GB) before the first token -- and a drafter the target does not follow gets a
-projection worse than none, which calibrate's check refuses anyway. So without a projection file
-the default falls back to `FALLBACK` and says so in one note; an explicit `--predictor spmoe`
-without a projection is still refused (runtime/decode/pairing.py).
+against falling back (bench/results/predictor_default.txt, 2026-12-06, load 5-9): the fit is a
+teacher-forced target pass over at least 512 calibration tokens, and with the experts paged from disk
+each 256-token chunk read 88% of the expert bytes of a checkpoint with Qwen3-30B-A3B's widths cut to
+4 layers; that fit took 557 s here (a 48-layer model: 12x the reads and compute) before the first
+token, and for a random drafter calibrate's check refused the result (held-out R^2 < 0). What a fit
+buys shows only while the drafter is accepted. So without a projection file the default falls back
+to `FALLBACK` and says so in one note; an explicit `--predictor spmoe` without a projection is still
+refused (runtime/decode/pairing.py).
 
 Invariant: the choice depends only on the widths, whether a projection file for the pair exists,
 and whether the predictor was asked for; it never changes tokens, only which experts are read early.

@@ -15,14 +15,14 @@ from runtime.decode.window_reads import WindowReads
 
 @dataclass
 class SpecStats:
-    n_rounds: int = 0  # verify passes
+    n_rounds: int = 0  # rounds: verify passes, plain rounds (K = 0, a token each) and greedy probes (a token each)
     n_drafted: int = 0  # draft tokens proposed
     n_accepted: int = 0  # draft tokens accepted
     n_tokens: int = 0  # tokens emitted
     n_reruns: int = 0  # rounds whose rewind re-ran accepted tokens (untrimmable state)
     n_plain_rounds: int = 0  # rounds with K = 0 (adaptive K fell back to plain decoding: acceptance was low)
     draft_s: float = 0.0  # time in draft + forecast + queueing prefetch
-    verify_s: float = 0.0  # time in target verify forwards (including demand loads)
+    verify_s: float = 0.0  # time in target forwards: verify windows, plain rounds, probes (including demand loads)
     rewind_s: float = 0.0  # time restoring state and re-running accepted tokens
     one_sync_tries: int = 0  # verify forwards run as device passes (runtime/decode/device_pass.py)
     one_sync_fallbacks: int = 0  # of those, verifies that needed more than one host sync (repairs, split layers)
