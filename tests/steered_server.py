@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.serve_process import ROOT, cli_env, free_port, wait_for_health
+from tests.serve_process import ROOT, cli_env, end_process, free_port, wait_for_health
 
 
 @dataclass
