@@ -26,7 +26,6 @@ released when launch()/finish() return or raise.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
