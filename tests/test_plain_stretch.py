@@ -90,3 +90,20 @@ def test_the_drafter_catches_up_on_a_stretch(plant, tiny_dirs, monkeypatch):
             assert decoder.stats.acceptance < 1.0, history
     finally:
         om.close()
+
+
+def test_sampled_stretches_draw_from_the_decoder_generator(tiny_dirs, random_drafter):
+    """temp > 0: a stretch samples each token on the host with one uniform from the decoder's generator, so a
+    seed fixes the run (forced here: the tiny random models agree too often when sampling to fall back)."""
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="50%"))
+    try:
+        runs = []
+        for seed in (7, 7, 8):
+            ids, decoder = _decoder(om, *random_drafter, temp=1.0, seed=seed)
+            decoder.draft_length.k, decoder.draft_length.plain_left = 0, N
+            runs.append((decoder.generate(ids, N), decoder.stats))
+        (a, sa), (b, _), (c, _) = runs
+        assert a == b and a != c
+        assert sa.n_plain_rounds == N and sa.one_sync_tries == 0
+    finally:
+        om.close()
