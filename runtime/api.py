@@ -123,7 +123,8 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
          adaptive_k: bool = True, one_sync: str = "auto") -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
-    settings not given come from tuning.json for this model, drafter, budget and machine, else defaults.
+    settings not given come from tuning.json for this model, drafter, budget and machine, else defaults
+    (predictor spmoe, or none for a drafter of another width without a projection: a note in `notes` says so).
     `memory_limit` ("12GB", "auto": the auto budget rule's memory, None: no cap) caps the whole process --
     baseline, resident weights, KV and state at `context_tokens`, drafter, expert cache -- and the expert cache
     gives slots back as the KV outgrows that context (runtime/cache/memory_limit.py).
