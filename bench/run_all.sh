@@ -31,13 +31,6 @@ retired() {
   if [[ -n $LIST ]]; then echo "$OUT/$1.txt"; return 0; fi
   echo "retired: $1 ($2)"
 }
-# retired NAME WHY: a result file whose lever was taken out of main (docs/flags.md); kept as the measurement behind
-# that decision, no longer re-run (the commit that removed the lever names the last run that wrote it)
-retired() {
-  wanted "$1" || return 0
-  if [[ -n $LIST ]]; then echo "$OUT/$1.txt"; return 0; fi
-  echo "retired: $1 ($2)"
-}
 loadavg() { cut -d" " -f1-3 /proc/loadavg 2>/dev/null || uptime | sed 's/.*average[s]*: //'; }
 run() {
   local name=$1; shift
