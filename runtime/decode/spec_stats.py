@@ -21,6 +21,7 @@ class SpecStats:
     n_tokens: int = 0  # tokens emitted
     n_reruns: int = 0  # rounds whose rewind re-ran accepted tokens (untrimmable state)
     n_plain_rounds: int = 0  # rounds with K = 0 (adaptive K fell back to plain decoding: acceptance was low)
+    n_probes: int = 0  # greedy probes after a stretch of plain rounds: one drafted token, no verify window
     draft_s: float = 0.0  # time in draft + forecast + queueing prefetch
     verify_s: float = 0.0  # time in target forwards: verify windows, plain rounds, probes (including demand loads)
     rewind_s: float = 0.0  # time restoring state and re-running accepted tokens
@@ -41,6 +42,11 @@ class SpecStats:
     @property
     def acceptance(self) -> float:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def n_verifies(self) -> int:
+        """Rounds that ran a verify window (the rest were plain rounds and probes, decoded as plain decoding)."""
+        return self.n_rounds - self.n_plain_rounds - self.n_probes
 
     @property
     def mean_k(self) -> float:
@@ -64,6 +70,6 @@ class SpecStats:
     def to_json(self) -> dict:
         d = asdict(self)
         d["per_layer"] = {l: {**asdict(s), "recall": s.recall, "precision": s.precision} for l, s in self.per_layer.items()}
-        d.update(acceptance=self.acceptance, tokens_per_verify=self.tokens_per_verify, mean_k=self.mean_k,
+        d.update(n_verifies=self.n_verifies, acceptance=self.acceptance, tokens_per_verify=self.tokens_per_verify, mean_k=self.mean_k,
                  recall=self.recall(), precision=self.precision(), window_reads=self.window_reads.to_json())
         return d

@@ -316,6 +316,7 @@ class SpeculativeDecoder:
         self.drafter.settle(0, tokens[0])  # d_1 was not fed; the target's token is pending, accepted or not
         self.draft_length.record(1, n)
         self.stats.n_rounds += 1
+        self.stats.n_probes += 1
         self.stats.n_drafted += 1
         self.stats.n_accepted += n
         return tokens
