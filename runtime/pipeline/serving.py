@@ -64,6 +64,9 @@ class PipelineBackend(Backend):
         self._beat.start()
 
     # -- requests --------------------------------------------------------------------------
+    can_batch = False  # a pipeline decodes one request at a time: stages hold one sequence's caches
+    batch_stats = None  # so /health reports no batching section
+
     def reset_prompt_cache(self) -> None:
         with self._chain:
             self._guard(lambda: self.driver.reset(0))
