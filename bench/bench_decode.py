@@ -6,7 +6,7 @@ its misses (bytes from the page cache or SSD). "auto" runs what `specmoe generat
 (runtime/decode/plain.py): at a budget that holds every expert, device passes (expert lookups on
 the device, one host sync per token like stock, one more per repair); below it, mlx-lm's
 generate_step on the per-layer synced path. "on": device passes at any budget. With files hot, a
-miss costs a memory copy. Targets (issue 14): >= 0.97x at 100%, 0.92x at 50%, 0.8x at 25%.
+miss costs a memory copy. Targets: >= 0.97x at 100%, 0.92x at 50%, 0.8x at 25%.
 
 Variants, all greedy on the same prompts, files hot (one warmup run first):
 stock mlx-lm fully resident, and specmoe at 100%, 50% and 25% budgets ("next off": the same

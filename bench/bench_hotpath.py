@@ -1,4 +1,4 @@
-"""The decode hot path (issue 14): host syncs and repairs per token, and Python per MoE layer call.
+"""The decode hot path: host syncs and repairs per token, and Python per MoE layer call.
 
 1. Host syncs per decoded token and repairs per token, plain greedy decoding through
    `generate_tokens` (device passes, warm start) on the embedded pair's target

@@ -4,7 +4,7 @@ Physics: a prefill chunk of N tokens routes N * k (token, expert) pairs per MoE 
 the thousands nearly every expert of every layer is routed. The least a cache of any size must
 read is each routed expert once per chunk (expert-major prefill, runtime/cache/expert_major.py).
 Splitting the chunk into token groups that fit the cache instead re-reads experts the groups
-evict from each other (issue 16 measured 37x the expert set at 25%). With files hot a read is a
+evict from each other (measured: 37x the expert set at 25%). With files hot a read is a
 memory copy, so prefill time should approach stock's: the FLOPs are the same, and what is added
 is the copies, one host sync per expert batch, and the batching overhead.
 

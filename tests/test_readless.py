@@ -1,4 +1,4 @@
-"""Read less (issue 15): prefetch admission in the forecast replay, the frequency oracles beside
+"""Read less: prefetch admission in the forecast replay, the frequency oracles beside
 Belady's MIN, and the lookahead's default confidence threshold on replayed forecasts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Slot lifecycle and memory-safety checks of the expert cache (issue 19, items 6 and 7).
+"""Slot lifecycle and memory-safety checks of the expert cache.
 
 Each test fails on the code before the fix: asserts that vanish under `python -O`,
 a failed prefetch freeing a slot a demand call pins, a failed submit leaving a slot

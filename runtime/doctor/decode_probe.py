@@ -4,7 +4,7 @@ speculative, with host syncs and repairs per token.
 Runs go through the public API (`runtime.load` / `stream_generate`), greedy, same prompt, in a fixed
 order; every run's tokens must equal the first run's (the lossless check doctor reports).
 
-Host syncs and repairs: when the run's stats carry them (the hot-path work, issue 14: plain
+Host syncs and repairs: when the run's stats carry them (the hot-path measure: plain
 `host_syncs_per_token` / `repairs_per_token`, speculative `host_syncs` / `repairs`), those are used
 ("counted"). Otherwise they are derived from the one-sync counters that exist
 today ("derived"): a forward that succeeded as one pass costs 1 sync; one that fell back costs the
@@ -13,7 +13,7 @@ is counted as a repair. Speculative rounds add one sync per drafted token.
 
 Against stock mlx-lm: the embedded target also runs resident in stock mlx-lm (`mlx_lm.stream_generate`, the same
 prompt, tokens and greedy sampling) once per budget, right after that budget's plain run: each row's `vs_stock` is
-its decode tok/s over that stock run's (issue 14's measure, here one pair per budget: noisy, where
+its decode tok/s over that stock run's (the hot-path measure, here one pair per budget: noisy, where
 bench/bench_decode.py pairs 16 trials), and `tokens_match_stock` says whether it decoded stock's tokens (lossless).
 Stock is warmed up once before the first run, so neither side starts cold.
 

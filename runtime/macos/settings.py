@@ -5,7 +5,7 @@
   wired instead of being paged or compressed between tokens ([MH] reports +20% from a wired limit).
 - command_buffers: raise MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER, so one forward is split into
   fewer command buffers; each boundary costs ~20 us of GPU time and raising both gave +5-7.7% on MoE
-  decode, bit-identical (mlx issue 4521). The values are this module's assumption.
+  decode, bit-identical (ml-explore/mlx#4521). The values are this module's assumption.
 - fast_synch: MLX_METAL_FAST_SYNCH=1 makes a CPU<->GPU crossing ~4 us instead of ~180 us (mlx issue
   4438); on by default only where `specmoe doctor` measured that it pays on this Mac.
 
@@ -84,7 +84,7 @@ def plan_settings(*, platform: str, metal: bool, working_set_bytes: int | None, 
     else:
         action = "env " + " ".join(f"{k}={v}" for k, v in COMMAND_BUFFER_ENV.items())
         out.append(MacSetting("command_buffers", True, action,
-                              "fewer command-buffer boundaries (~20 us each); +5-7.7% on MoE decode (mlx issue 4521)"))
+                              "fewer command-buffer boundaries (~20 us each); +5-7.7% on MoE decode (ml-explore/mlx#4521)"))
     fast = switches.get("fast_synch")
     sync = (doctor or {}).get("host_sync") or {}
     pays = sync.get("fast_synch_pays")

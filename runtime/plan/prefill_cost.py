@@ -1,7 +1,7 @@
 """Prefill and long-context projections: time to first token with expert-major reads, and the longest
 context that fits when the KV cache grows and the expert cache gives slots back.
 
-Time to first token over a prompt of T tokens (expert-major prefill, issue 16: each MoE layer routes
+Time to first token over a prompt of T tokens (expert-major prefill: each MoE layer routes
 all T tokens, then reads each routed expert once):
     unique    = U(T) experts per layer, MoESD's uniform E(1 - (1 - k/E)^T)   (an upper bound)
     reads     = unique x MoE layers x expert bytes x (1 - cached share)       read once each, cold SSD

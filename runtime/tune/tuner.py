@@ -15,7 +15,7 @@
 - choose_paired(): the final say, on interleaved rounds (every finalist once per round, a fresh order): a
   finalist replaces the simplest one (the baseline) only if it was faster in every round (a sign test) and
   luck alone would give the finalists such a winner at most ALPHA of the time (runtime/tune/sign_test.py).
-  Pass ranges of separately timed passes let a setting slower than the baseline win (round 2's twelfth stop:
+  Pass ranges of separately timed passes let a setting slower than the baseline win (measured:
   bench_tuned.py, 8 trials, found such a pick slower than three simpler settings; README, "specmoe tune").
 - Tuning files: tuning.json next to the model/store holds entries keyed by model
   digest, drafter digest, budget and machine; lookups ignore foreign or stale
