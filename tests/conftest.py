@@ -62,6 +62,16 @@ def calibrated(tiny_dirs, tmp_path_factory) -> dict:
     return {"target": tiny_dirs["qwen3_moe"], "drafter": drafter, "projection": projection, "code": code, "err": err}
 
 
+@pytest.fixture(scope="module")
+def engine():
+    """The embedded target through runtime.load, once per module (a module may define its own `engine`)."""
+    from runtime import load
+    from runtime.checkpoints import embedded_pair
+
+    with load(embedded_pair().target) as e:
+        yield e
+
+
 @pytest.fixture()
 def tiny_qwen(tmp_path) -> Path:
     """A fresh qwen3_moe checkpoint a test may damage."""

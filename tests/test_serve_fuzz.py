@@ -16,21 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.checkpoints import embedded_pair
 from runtime.serve.limits import RequestLimits
 from runtime.serve.validation import MAX_SEED
 from tests.serve_app import app_client, chat_body
 from tests.serve_fuzz_bodies import bodies, json_values
 
 ROUTES = ["/v1/chat/completions", "/v1/completions"]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from runtime import load
-
-    with load(embedded_pair().target) as e:
-        yield e
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,6 @@ KEY = "s3cret-key"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from runtime import load
-
-    with load(embedded_pair().target) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
 def client(engine):
     with app_client(engine) as c:
         yield c

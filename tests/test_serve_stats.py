@@ -5,20 +5,10 @@ tokens are what the responses reported, one-sync forwards never exceed forwards,
 
 from __future__ import annotations
 
-import pytest
 
-from runtime.checkpoints import embedded_pair
 from runtime.serve import backend as backend_module
 from runtime.serve.limits import RequestLimits
 from tests.serve_app import app_client, chat_body
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from runtime import load
-
-    with load(embedded_pair().target) as e:
-        yield e
 
 
 def _run_mix(client) -> tuple[list[dict], list[int]]:
