@@ -15,6 +15,9 @@ TTFT limit. Rows:
     specmoe B @ cap      each budget under each cap (cgroup v1, page cache counted, checkpoint evicted
                          from the page cache first; --io-mode direct by default)
     stock @ cap          (--stock-capped) mlx-lm under each cap: runs, thrashes or is killed
+    specmoe B MODE       (--io-compare MODE) the first budget under the smallest cap, --io-repeats pairs of
+                         runs in --io-mode and in MODE, alternating which goes first; a note gives each
+                         mode's median tok/s [min-max] and their ratio
 Peak memory is the cgroup's (process + charged page cache) and the command's peak RSS (VmHWM).
 
 Output: a table, then one JSON line; --out writes both with a first line naming the command, the date
@@ -128,7 +131,8 @@ def _row(name: str, cap: int | None, res: CappedResult, result: dict | None, ref
 
 
 def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt: str, io_mode: str, stock: bool,
-            stock_capped: bool, bandwidth_bps: float | None, log) -> dict:
+            stock_capped: bool, bandwidth_bps: float | None, log, io_compare: str | None = None,
+            io_repeats: int = 2) -> dict:
     """All rows of one checkpoint (see the module docstring)."""
     import psutil
 
@@ -174,6 +178,13 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
             go(f"specmoe {budget}", specmoe_cmd(model, prompt, n, budget, io_mode, j), j, cap)
         if stock_capped:
             go("stock", stock_cmd(model, prompt, n, tmp / f"stock-{cap}.json"), tmp / f"stock-{cap}.json", cap)
+    if io_compare and caps and budgets:  # interleaved pairs: the same budget and cap, each I/O mode
+        cap, budget = min(caps), budgets[0]
+        for i in range(io_repeats):
+            for mode in ((io_mode, io_compare) if i % 2 == 0 else (io_compare, io_mode)):
+                j = tmp / f"io-{mode}-{i}.json"
+                go(f"specmoe {budget} {mode}", specmoe_cmd(model, prompt, n, budget, mode, j), j, cap)
+        notes.append(io_note(entries, budget, (io_mode, io_compare)))
     for row, result in entries:
         if not result or not compute_s:
             continue
@@ -187,12 +198,24 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
             "rows": [asdict(r) for r, _ in entries], "tokens": {k: v.get("tokens") for k, v in results.items()}}
 
 
+def io_note(entries, budget: str, modes: tuple[str, str]) -> str:
+    """One line: each I/O mode's median decode tok/s [min-max] over its paired runs, and their ratio."""
+    import statistics
+
+    rates = {m: [r.tok_s for r, res in entries if r.run == f"specmoe {budget} {m}" and res] for m in modes}
+    if not all(rates.values()):
+        return f"io pairs ({budget}): a run failed, no comparison"
+    med = {m: statistics.median(v) for m, v in rates.items()}
+    parts = [f"{m} {med[m]:.3f} tok/s [{min(v):.3f}-{max(v):.3f}] over {len(v)}" for m, v in rates.items()]
+    return f"io pairs ({budget}, interleaved): " + "; ".join(parts) + f"; {modes[1]}/{modes[0]} {med[modes[1]] / med[modes[0]]:.2f}x"
+
+
 def table(summary: dict) -> str:
-    head = (f"{'run':<18}{'cap GB':>7}{'exit':>6}{'tok/s':>7}{'limit':>7}{'ratio':>7}{'TTFT s':>8}{'x lim':>7}"
+    head = (f"{'run':<22}{'cap GB':>7}{'exit':>6}{'tok/s':>7}{'limit':>7}{'ratio':>7}{'TTFT s':>8}{'x lim':>7}"
             f"{'cg GB':>7}{'RSS GB':>7}{'hit':>6}{'MB/tok':>8}{'sync/t':>7}{'equal':>6}")
     lines = [head]
     for r in summary["rows"]:
-        lines.append(f"{r['run']:<18}{r['cap_gb']:>7.1f}{r['exit_code']:>6}{r['tok_s']:>7.2f}{r['limit_tok_s']:>7.2f}"
+        lines.append(f"{r['run']:<22}{r['cap_gb']:>7.1f}{r['exit_code']:>6}{r['tok_s']:>7.3f}{r['limit_tok_s']:>7.3f}"
                      f"{r['ratio']:>7.2f}{r['ttft_s']:>8.1f}{r['ttft_x']:>7.2f}{r['cgroup_peak_gb']:>7.2f}"
                      f"{r['rss_peak_gb']:>7.2f}{r['hit_rate']:>6.0%}{r['mb_per_token']:>8.1f}{r['syncs_per_token']:>7.1f}"
                      f"{r['tokens_equal']:>6}" + ("  OOM-killed" if r["oom_killed"] else ""))
@@ -211,6 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--max-tokens", type=int, default=12, help="greedy tokens per run")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw prompt")
     ap.add_argument("--io-mode", default="direct", help="specmoe --io-mode under the caps: direct or buffered")
+    ap.add_argument("--io-compare", default=None, choices=["buffered", "direct"],
+                    help="also run the first budget under the smallest cap in this I/O mode and --io-mode, interleaved")
+    ap.add_argument("--io-repeats", type=int, default=2, help="pairs of --io-compare runs")
     ap.add_argument("--no-stock", dest="stock", action="store_false", help="skip the stock resident reference")
     ap.add_argument("--stock-capped", action="store_true", help="also run stock mlx-lm under each cap")
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="use this disk bandwidth instead of measuring it")
@@ -232,7 +258,8 @@ def main(argv=None) -> int:
     with open(args.log or os.devnull, "a") as log:
         summary = measure(model, caps=caps, budgets=[b for b in args.budgets.split(",") if b], n=args.max_tokens,
                           prompt=args.prompt, io_mode=args.io_mode, stock=args.stock, stock_capped=args.stock_capped,
-                          bandwidth_bps=args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None, log=log)
+                          bandwidth_bps=args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None, log=log,
+                          io_compare=args.io_compare if args.io_compare != args.io_mode else None, io_repeats=args.io_repeats)
     summary["load_average"] = {"before": load0, "after": _loadavg()}
     text = table(summary) + "\n" + json.dumps(summary)
     print(text)

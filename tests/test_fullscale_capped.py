@@ -28,7 +28,8 @@ def test_capped_run_rows_on_a_small_checkpoint(tmp_path, capsys):
     caps = "1GB" if available() is None else ""
     out = tmp_path / "fullscale.txt"
     assert capped_run.main(["--model", model, "--caps", caps, "--budgets", "50%", "-n", "5",
-                            "--bandwidth-gbps", "2.0", "--out", str(out)]) == 0
+                            "--bandwidth-gbps", "2.0", "--io-compare", "buffered", "--io-repeats", "1",
+                            "--out", str(out)]) == 0
     lines = out.read_text().splitlines()
     assert lines[0].startswith("# capped_run:") and "load average before" in lines[0]
     summary = json.loads(lines[-1])
@@ -44,6 +45,10 @@ def test_capped_run_rows_on_a_small_checkpoint(tmp_path, capsys):
         assert capped["limit_tok_s"] == pytest.approx(1 / (compute + capped["mb_per_token"] * 1e6 / 2e9))
         assert capped["ratio"] == pytest.approx(capped["tok_s"] / capped["limit_tok_s"])
         assert capped["ttft_limit_s"] > summary["prefill_compute_s"]  # the prompt's unique experts are read
+        pair = [r for r in summary["rows"] if r["run"] in ("specmoe 50% direct", "specmoe 50% buffered")]
+        assert sorted(r["run"] for r in pair) == ["specmoe 50% buffered", "specmoe 50% direct"]
+        assert all(r["tokens_equal"] == "yes" and r["cap_gb"] == 1.0 for r in pair)
+        assert any(n.startswith("io pairs (50%, interleaved): direct ") and "buffered/direct" in n for n in summary["notes"])
     assert "specmoe 100%" in capsys.readouterr().out
 
 
