@@ -5,7 +5,9 @@ chunk and every few decoded tokens the decoder reports the KV/state bytes it hol
 it is about to reach; the governor turns MemoryLimit.expert_room into usable slots per layer
 (one slot in every layer costs the sum of the layers' expert bytes) and requests them from the
 ExpertCache, which applies them between calls and hands the freed slots' pages back to the OS
-where it can. When the KV shrinks (a new conversation), slots come back, up to the planned budget.
+where it can. When the KV shrinks (a new conversation), slots come back, up to the planned budget. A batch of sequences
+(runtime/decode/batch.py) reports its batch KV caches' bytes, every member's, the same way (observe_held): slots
+give way as the batch grows and come back as members leave.
 
 The accounting is open loop (what the parts should take); with `measure` (the process's peak RSS since
 the previous update, set when a limit is in force) it is also closed: at each update whatever the
@@ -65,7 +67,13 @@ class ContextGovernor:
         """Before growing mlx-lm `caches` from `tokens_now` to `tokens_next` tokens in forwards of `chunk`
         tokens: what they hold now plus the growth (and one 256-token allocation step of KVCache)."""
         held = sum(c.nbytes for c in caches)
-        return self.update(held + (max(0, tokens_next - tokens_now) + 256) * self.kv_per_token, tokens_next, chunk, held)
+        return self.observe_held(held, max(0, tokens_next - tokens_now) + 256, tokens_next, chunk)
+
+    def observe_held(self, held_bytes: int, growth_tokens: int, context: int, chunk: int | None = None) -> int:
+        """Caches of any shape (one sequence's, or a batch's: every member's KV) holding `held_bytes` now, about to
+        grow by `growth_tokens` token rows in all (new tokens and allocation steps of every sequence), the longest
+        reaching `context` tokens in forwards of `chunk` tokens."""
+        return self.update(held_bytes + growth_tokens * self.kv_per_token, context, chunk, held_bytes)
 
     def accounted_bytes(self, kv_bytes: int) -> int:
         """What the parts should hold now: baseline, weights, drafter, `kv_bytes` and the slots in use."""

@@ -38,6 +38,8 @@ from typing import Callable
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
+from runtime.decode.batch_memory import BatchMemory
+from runtime.decode.batch_pass import BatchPass
 from runtime.decode.kv_only import kv_only
 from runtime.decode.warm import warm_start
 
@@ -49,6 +51,7 @@ class BatchStepStats:
     summed_experts: int  # sum over MoE layers and tokens of each token's own distinct experts (B one-at-a-time steps)
     reads: int  # experts read from disk during the step (demand misses)
     bytes_read: int  # bytes the loader read during the step
+    host_syncs: int = 1  # host syncs of the step: its layers' routing read-backs (none on ids) + mlx-lm's token read-back
 
 
 @dataclass
@@ -59,6 +62,7 @@ class BatchTotals:
     summed_experts: int = 0  # sum of BatchStepStats.summed_experts
     reads: int = 0  # experts read by decode steps
     bytes_read: int = 0  # bytes read by decode steps
+    host_syncs: int = 0  # host syncs of the decode steps (routing read-backs and token read-backs)
     prefill_reads: int = 0  # experts read by prompt chunks and first-token forwards
 
     def add(self, step: BatchStepStats) -> None:
@@ -68,6 +72,7 @@ class BatchTotals:
         self.summed_experts += step.summed_experts
         self.reads += step.reads
         self.bytes_read += step.bytes_read
+        self.host_syncs += step.host_syncs
 
     @property
     def unique_share(self) -> float:
@@ -114,11 +119,13 @@ class BatchDecoder:
 
     `insert` queues prompts (they join at the next steps), `next` runs one step and returns mlx-lm's
     GenerationBatch.Response list (uid, token, logprobs, finish_reason, ...), `remove` drops sequences
-    (a cancelled request), `close` releases what the modules hold. Settings are BatchGenerator's."""
+    (a cancelled request), `close` releases what the modules hold. Settings are BatchGenerator's; `on_ids`
+    False keeps every step on the per-layer synced path (for measuring the two)."""
 
     def __init__(self, om, *, max_tokens: int = 128, stop_tokens=None, sampler: Callable | None = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8, prefill_step_size: int = 2048,
-                 warm: str | None = None, on_step: Callable[[BatchStepStats], None] | None = None):
+                 warm: str | None = None, on_step: Callable[[BatchStepStats], None] | None = None,
+                 on_ids: bool = True):
         if completion_batch_size < 1:
             raise ValueError(f"completion_batch_size {completion_batch_size}; expected >= 1")
         self.om = om
@@ -126,6 +133,9 @@ class BatchDecoder:
         self.totals = BatchTotals()
         self.last_step: BatchStepStats | None = None
         self._routes: list[np.ndarray] | None = None  # the decode forward's (B, k) ids per MoE layer while it builds
+        self._pass = BatchPass(om) if on_ids else None  # all-resident layers run on their ids (batch_pass.py)
+        self._unbooked: list[BatchStepStats] = []  # steps built on ids, booked when retired (oldest first)
+        self._memory = BatchMemory(om.context_governor, prefill_step_size)  # --memory-limit: the batch's KV counted
         warm_start(om, warm)  # a full budget reads every expert (overlapping the first prompts), as plain decoding
         self.generator = BatchGenerator(_PagedView(self), max_tokens=max_tokens, stop_tokens=stop_tokens,
                                         sampler=sampler, completion_batch_size=completion_batch_size,
@@ -150,9 +160,18 @@ class BatchDecoder:
     def _decode_forward(self, inputs, cache, **kwargs):
         om = self.om
         om.label_round("batch decode")
+        c0, syncs0 = _reads(om), om.cache.host_syncs
+        if self._pass is not None:
+            self._retire(keep_last=True)  # steps before the pending one were evaluated by mlx-lm's read-back
+            out = self._pass.build(lambda: om.model(inputs, cache=cache, **kwargs))
+            if out is not None:  # booked when retired: its routing comes back with its evaluation
+                c1 = _reads(om)
+                self._unbooked.append(BatchStepStats(int(inputs.shape[0]), 0, 0, int(c1[0] - c0[0]), int(c1[1] - c0[1]),
+                                                     om.cache.host_syncs - syncs0 + 1))
+                om.cache.host_syncs += 1  # mlx-lm reads the step's tokens back
+                return out
         saved = {layer: m.observer for layer, m in om.modules.items()}
         self._routes = []
-        c0 = _reads(om)
         try:
             for m in om.modules.values():
                 m.observer = self._observe
@@ -161,22 +180,30 @@ class BatchDecoder:
             for layer, m in om.modules.items():
                 m.observer = saved[layer]
             routes, self._routes = self._routes, None
+        if self._pass is not None and self._pass.pending:
+            self._retire(keep_last=False)  # the per-layer syncs evaluated every earlier step
         c1 = _reads(om)
-        step = BatchStepStats(
-            n_sequences=int(inputs.shape[0]),
-            unique_experts=sum(np.unique(ids).size for ids in routes),
-            summed_experts=sum(_distinct_per_row(ids) for ids in routes),
-            reads=int(c1[0] - c0[0]),
-            bytes_read=int(c1[1] - c0[1]))
-        self.totals.add(step)
-        self.last_step = step
-        if self.on_step is not None:
-            self.on_step(step)
+        om.cache.host_syncs += 1  # mlx-lm reads the step's tokens back
+        self._book(BatchStepStats(int(inputs.shape[0]), 0, 0, int(c1[0] - c0[0]), int(c1[1] - c0[1]),
+                                  om.cache.host_syncs - syncs0), routes)
         return out
 
     def _observe(self, layer: int, ids: np.ndarray) -> None:
         if self._routes is not None:
             self._routes.append(ids)
+
+    def _book(self, step: BatchStepStats, routes: list[np.ndarray]) -> None:
+        step.unique_experts = sum(np.unique(ids).size for ids in routes)
+        step.summed_experts = sum(_distinct_per_row(ids) for ids in routes)
+        self.totals.add(step)
+        self.last_step = step
+        if self.on_step is not None:
+            self.on_step(step)
+
+    def _retire(self, keep_last: bool) -> None:
+        """Book the steps built on ids that the read-back evaluated (all pending ones without `keep_last`)."""
+        for routes in self._pass.retire(keep_last):
+            self._book(self._unbooked.pop(0), list(routes.values()))
 
     # -- the sequences ---------------------------------------------------------------------
     def insert(self, prompts: list[list[int]], max_tokens: list[int] | None = None, **kwargs) -> list[int]:
@@ -187,16 +214,25 @@ class BatchDecoder:
         for i, m in enumerate(max_tokens or []):
             if m < 1:
                 raise ValueError(f"max_tokens[{i}] = {m}; expected >= 1")
-        return self.generator.insert([list(p) for p in prompts], max_tokens, **kwargs)
+        uids = self.generator.insert([list(p) for p in prompts], max_tokens, **kwargs)
+        self._memory.joined(uids, prompts, max_tokens or [self.generator.max_tokens] * len(prompts), kwargs.get("caches"))
+        return uids
 
     def remove(self, uids: list[int]) -> None:
         """Drop sequences wherever they are (queued, in prompt processing, decoding); the others go on."""
         self.generator.remove(uids)
+        self._memory.left(uids)
 
     def next(self) -> list:
         """One step: the generation batch's tokens (mlx-lm's GenerationBatch.Response list), after running
         whatever prompt processing the BatchGenerator schedules; [] when nothing is left."""
-        return self.generator.next_generated()
+        self._memory.observe(self.generator)
+        responses = self.generator.next_generated()
+        if self._pass is not None and self._pass.pending:
+            self._retire(keep_last=True)
+        self._memory.started([r.uid for r in responses])
+        self._memory.left([r.uid for r in responses if r.finish_reason is not None])
+        return responses
 
     @property
     def n_active(self) -> int:
@@ -205,9 +241,13 @@ class BatchDecoder:
 
     def close(self) -> None:
         """Release the modules' pending outputs (their slots unpinned) and the generator's wired limit."""
-        self.generator.close()
-        for m in self.om.modules.values():
-            m.release_pending()
+        try:
+            if self._pass is not None:
+                self._retire(keep_last=False)  # a held step is evaluated before its layers are released
+        finally:
+            self.generator.close()
+            for m in self.om.modules.values():
+                m.release_pending()
 
     def __enter__(self) -> "BatchDecoder":
         return self
