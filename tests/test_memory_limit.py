@@ -233,3 +233,62 @@ def test_auto_reads_a_real_cgroup_limit(tmp_path):
     assert res.exit_code == 0, out.read_text()
     limit, auto = json.loads(out.read_text().strip().splitlines()[-1])
     assert limit == res.limit_bytes and auto == limit  # the page-rounded 3 GB, not this machine's RAM
+
+
+# --- the memory governor's "available" is what is left under the cgroup limit -------------------------------
+
+def test_cgroup_available_is_limit_minus_usage_plus_file_pages_smallest_level(tmp_path):
+    from runtime.cache.cgroup_memory import cgroup_available_bytes
+
+    proc, root = _fake_cgroup(tmp_path, "4:memory:/box/run\n", {
+        "memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "20000000000",
+        "memory/box/memory.limit_in_bytes": "6000000000", "memory/box/memory.usage_in_bytes": "5000000000",
+        "memory/box/memory.stat": "cache 1\ntotal_active_file 1000000000\ntotal_inactive_file 500000000\n",
+        "memory/box/run/memory.limit_in_bytes": "8000000000", "memory/box/run/memory.usage_in_bytes": "5000000000",
+    })
+    # box: 6 - 5 + 1.5 (page cache the kernel reclaims) = 2.5 GB; run: 8 - 5 = 3 GB (no stat file: no file pages)
+    assert cgroup_available_bytes(proc, root, platform="linux") == 2_500_000_000
+    assert cgroup_available_bytes(proc, root, platform="darwin") is None
+    proc, root = _fake_cgroup(tmp_path / "v2", "0::/app\n", {
+        "app/memory.max": "4000000000", "app/memory.current": "4100000000",
+        "app/memory.stat": "anon 3900000000\nactive_file 100000000\ninactive_file 100000000\n"})
+    assert cgroup_available_bytes(proc, root, platform="linux") == 100_000_000
+    proc, root = _fake_cgroup(tmp_path / "none", "4:memory:/a\n", {"memory/a/memory.usage_in_bytes": "5"})
+    assert cgroup_available_bytes(proc, root, platform="linux") is None  # no limit: the host's reading stands
+
+
+def test_governor_reads_what_is_left_under_a_real_cgroup(tmp_path):
+    """Under a 2 GB cap (needs root), a process holding 1.2 GB sees < 0.9 GB available and a 2 GB total, and the
+    governor's decision at that reading is to shrink; the host's reading (many GB free) would not shrink."""
+    import json
+    import os
+    import sys
+
+    import psutil
+
+    from tests.bench_scripts import BENCH
+
+    sys.path.insert(0, str(BENCH.parent))
+    from bench.fullscale_cgroup import MemoryCgroup, available
+
+    if available():
+        pytest.skip(available())
+    code = ("import json; from runtime.cache import cgroup_memory; from runtime.cache.governor import read_memory,"
+            " decide, GovernorConfig; {mutation}"
+            "held = bytearray(1_200_000_000); held[::4096] = b'x' * len(held[::4096]);"
+            "r = read_memory(); print(json.dumps([r.available_bytes, r.total_bytes, decide(r, 1.0, GovernorConfig())]))")
+
+    def capped(mutation: str = ""):
+        out = tmp_path / "out.txt"
+        with MemoryCgroup(2 * 10**9) as cg, open(out, "w") as f:
+            res = cg.run([sys.executable, "-c", code.format(mutation=mutation)], stdout=f,
+                         env={**os.environ, "PYTHONPATH": str(BENCH.parent)})
+        assert res.exit_code == 0, out.read_text()
+        return res, json.loads(out.read_text().strip().splitlines()[-1])
+
+    res, (avail, total, level) = capped()
+    assert total == res.limit_bytes and avail < 0.9e9 and level < 1.0
+    if psutil.virtual_memory().available > 4e9:  # a reader of the machine's RAM only: the same checks fail
+        _, (avail, total, level) = capped("cgroup_memory.cgroup_available_bytes = lambda: None;"
+                                          "cgroup_memory.cgroup_limit_bytes = lambda: None;")
+        assert avail > 0.9e9 and total > res.limit_bytes and level == 1.0

@@ -10,6 +10,13 @@ Reading (no writes, no privileges): /proc/self/cgroup names the process's cgroup
 The effective limit is the smallest one from the process's cgroup up to the hierarchy's root (a parent's
 limit caps its children). v1's "unlimited" (a page-rounded 2^63 - 1) and v2's "max" mean no limit.
 
+`cgroup_available_bytes()` is the same hierarchy's headroom, for the memory governor: at each level with a
+limit, limit - usage + file pages (active and inactive: page cache the kernel reclaims before it kills,
+as the kernel's MemAvailable counts it); the smallest over the levels. v1 reads memory.usage_in_bytes
+and memory.stat's total_active_file/total_inactive_file, v2 memory.current and memory.stat's
+active_file/inactive_file. Inside an 8 GB cap on a 24 GB machine this is what is left of the 8 GB, not
+the machine's free RAM.
+
 Invariants: None when there is no limit, no cgroup file system, or not Linux (macOS keeps its rules);
 an unreadable or malformed file counts as no limit at that level, never as an error.
 """
@@ -69,6 +76,54 @@ def cgroup_limit_bytes(proc_cgroup: str | Path = "/proc/self/cgroup", root: str 
             for base in (root, root / "unified"):
                 limits.append(_min_limit(base, path, "memory.max"))
     found = [v for v in limits if v is not None]
+    return min(found) if found else None
+
+
+def _stat_fields(path: Path, names: tuple[str, ...]) -> int:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    fields = dict(line.split(" ", 1) for line in lines if " " in line)
+    return sum(int(fields[n]) for n in names if fields.get(n, "").strip().isdigit())
+
+
+def _level_available(level: Path, limit_file: str, usage_file: str, file_fields: tuple[str, ...]) -> int | None:
+    limit = _read_limit(level / limit_file)
+    if limit is None:
+        return None
+    try:
+        usage = int((level / usage_file).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return max(0, limit - usage + _stat_fields(level / "memory.stat", file_fields))
+
+
+def cgroup_available_bytes(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup",
+                           platform: str | None = None) -> int | None:
+    """What is left under the process's cgroup limits (see the module docstring), or None without a limit."""
+    if (platform or sys.platform) != "linux":
+        return None
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    root = Path(root)
+    found = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if "memory" in controllers.split(","):
+            levels = [(root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                       ("total_active_file", "total_inactive_file")) for rel in _ancestors(path)]
+        elif controllers == "":
+            levels = [(base / rel, "memory.max", "memory.current", ("active_file", "inactive_file"))
+                      for base in (root, root / "unified") for rel in _ancestors(path)]
+        else:
+            continue
+        found += [v for args in levels if (v := _level_available(*args)) is not None]
     return min(found) if found else None
 
 

@@ -5,7 +5,8 @@ take memory afterwards; a Mac then compresses and swaps until it stalls (peers
 report swap death and kernel panics). Expert slots are the one large allocation
 we can give back without changing any output, so we give them back first.
 
-Signal: available memory (psutil.virtual_memory().available) and, on macOS, the
+Signal: available memory (psutil.virtual_memory().available; on Linux capped by what is left under the
+process's cgroup limit, runtime/cache/cgroup_memory.py) and, on macOS, the
 kernel's pressure level (sysctl kern.memorystatus_vm_pressure_level: 1 normal,
 2 warn, 4 critical), read through libc with ctypes: no extra dependency.
 
@@ -91,9 +92,15 @@ def _macos_pressure() -> str | None:
 
 
 def read_memory() -> MemoryReading:
+    """RAM's available and total, each capped by the process's cgroup (Linux): inside a cap, what is left of it."""
+    from runtime.cache.cgroup_memory import cgroup_available_bytes, cgroup_limit_bytes
+
     vm = psutil.virtual_memory()
     pressure = _macos_pressure() if sys.platform == "darwin" else None
-    return MemoryReading(int(vm.available), int(vm.total), pressure)
+    available, total = int(vm.available), int(vm.total)
+    limit, left = cgroup_limit_bytes(), cgroup_available_bytes()
+    return MemoryReading(min(available, left) if left is not None else available,
+                         min(total, limit) if limit is not None else total, pressure)
 
 
 def decide(reading: MemoryReading, level: float, cfg: GovernorConfig) -> float:
