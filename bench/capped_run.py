@@ -242,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="use this disk bandwidth instead of measuring it")
     ap.add_argument("--out", default=None, help="also write the table and JSON line here (with date and load average)")
     ap.add_argument("--log", default=None, help="the commands' output (default: discarded)")
+    ap.add_argument("--note", default=None, help="a line for --out's header (e.g. what else ran on the machine)")
     args = ap.parse_args(argv)
     try:
         caps = [parse_gb(c) for c in args.caps.split(",") if c]
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
     if args.out:
         head = (f"# capped_run: {' '.join(sys.argv[1:] if argv is None else argv)} | "
                 f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(t0))} | load average before {load0}, after {_loadavg()}"
-                f" | wall {time.time() - t0:.0f} s")
+                f" | wall {time.time() - t0:.0f} s" + (f" | {args.note}" if args.note else ""))
         Path(args.out).write_text(head + "\n" + text + "\n")
     return 0
 

@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"], help="specmoe --io-mode")
     ap.add_argument("--out", default=None, help="also write the table and JSON line here")
     ap.add_argument("--log", default=None, help="the commands' output (default: discarded)")
+    ap.add_argument("--note", default=None, help="a line for --out's header (e.g. what else ran on the machine)")
     args = ap.parse_args(argv)
     try:
         cap = parse_gb(args.cap)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     if args.out:
         head = (f"# fullscale_speculative: {' '.join(sys.argv[1:] if argv is None else argv)} | "
                 f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(t0))} | load average before {load0}, after {_loadavg()}"
-                f" | wall {time.time() - t0:.0f} s")
+                f" | wall {time.time() - t0:.0f} s" + (f" | {args.note}" if args.note else ""))
         Path(args.out).write_text(head + "\n" + text + "\n")
     return 0
 
