@@ -251,3 +251,50 @@ def test_http_concurrent_requests_batch_and_the_counters_add_up(engine, backend)
     assert after["requests"]["requests"] - before["requests"]["requests"] == len(bodies)
     syncs = after["host_syncs"]
     assert syncs["forwards"] >= syncs["reported_tokens"] and syncs["one_sync_forwards"] <= syncs["forwards"]
+
+
+def test_http_a_batched_conversations_kv_serves_its_next_turn(engine, backend):
+    """Two conversations decoded together over HTTP; each one's KV goes to the prompt-cache pool when it ends (mlx-lm
+    extracts it from the batch caches), so the follow-up turn of one of them, alone, prefills only its new part: the
+    stats count its reused prompt tokens, and its text equals a fresh stock mlx-lm run of the whole follow-up."""
+    from mlx_lm import load as stock_load
+    from mlx_lm import stream_generate as stock_stream
+    from starlette.testclient import TestClient
+
+    cfg = engine.model.config
+    queue = GenerationQueue(backend, max_batch=4)
+    state = ServerState(backend, queue, "tiny-target", frozenset(), SamplingDefaults(max_tokens=8), 64,
+                        context_tokens=context_limit(cfg), vocab_size=vocab_size(cfg))
+    turns = [[{"role": "user", "content": "Speak of the sea, good sir."}],
+             [{"role": "user", "content": "What news from the north?"}]]
+    try:
+        with TestClient(build_app(state), base_url="http://127.0.0.1:8080") as client:
+            backend.reset_prompt_cache()
+            before = client.get("/v1/specmoe/stats").json()
+            replies = [None, None]
+
+            def post(i):
+                r = client.post("/v1/chat/completions", json={"messages": turns[i], "max_tokens": 10, "temperature": 0})
+                replies[i] = r.json()["choices"][0]["message"]["content"]
+
+            threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            batched = client.get("/v1/specmoe/stats").json()
+            follow = turns[1] + [{"role": "assistant", "content": replies[1]},
+                                 {"role": "user", "content": "And what of the king?"}]
+            r = client.post("/v1/chat/completions", json={"messages": follow, "max_tokens": 10, "temperature": 0})
+            after = client.get("/v1/specmoe/stats").json()
+    finally:
+        queue.close()
+    b0, b1 = before["batching"], batched["batching"]
+    assert b1["steps"] > b0["steps"] and b1["max_seen"] >= 2  # the two were decoded together
+    reused = after["requests"]["cached_prompt_tokens"] - batched["requests"]["cached_prompt_tokens"]
+    first = backend.encode_messages(turns[1])
+    assert reused >= len(first)  # the follow-up started from the batched turn's KV
+    model, tok = stock_load(str(embedded_pair().target))
+    ids = backend.encode_messages(follow)
+    want = "".join(x.text for x in stock_stream(model, tok, ids, max_tokens=10))
+    assert r.json()["choices"][0]["message"]["content"] == want

@@ -218,10 +218,12 @@ class BatchDecoder:
         self._memory.joined(uids, prompts, max_tokens or [self.generator.max_tokens] * len(prompts), kwargs.get("caches"))
         return uids
 
-    def remove(self, uids: list[int]) -> None:
-        """Drop sequences wherever they are (queued, in prompt processing, decoding); the others go on."""
-        self.generator.remove(uids)
+    def remove(self, uids: list[int], return_caches: bool = False) -> dict:
+        """Drop sequences wherever they are (queued, in prompt processing, decoding); the others go on. With
+        `return_caches`: {uid: (its per-sequence KV caches, the tokens they hold)}, extracted by mlx-lm."""
+        caches = self.generator.remove(uids, return_prompt_caches=return_caches)
         self._memory.left(uids)
+        return caches
 
     def next(self) -> list:
         """One step: the generation batch's tokens (mlx-lm's GenerationBatch.Response list), after running

@@ -36,8 +36,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from runtime.decode import common_prefix
 from runtime.serve.queue import JobEvent
 from runtime.serve.stops import StopMatcher
 
@@ -102,7 +104,8 @@ class BatchRun:
                 for r in responses:
                     member = self._member_of(members, r.uid)
                     if member is not None and self._feed(member, r):
-                        self._leave(decoder, members, r.uid, reported=r.finish_reason is not None)
+                        self._leave(decoder, members, r.uid, reported=r.finish_reason is not None,
+                                    kept=(r.prompt_cache, r.all_tokens) if r.finish_reason is not None else None)
                 now = time.monotonic()
                 for uid, member in list(members.items()):
                     if member.job.cancel.is_set():
@@ -129,23 +132,64 @@ class BatchRun:
         sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
         timeout = self.queue.request_timeout_s
         detok = self.backend.tokenizer.detokenizer
+        prefix: list[int] = []  # the tokens a cache passed in holds (mlx-lm's all_tokens)
+        cached = resume.cached if resume else None
         if resume is None:
             started, stops, done = time.monotonic(), StopMatcher(req.stop), []
             prompt, caches = job.ids, None
+            entry, k = self._checkout(job.ids)  # a conversation's earlier turn: its KV from the pool, the rest prefilled
+            if k:
+                prompt, caches, prefix, cached = job.ids[k:], [entry.cache], job.ids[:k], k
         else:  # its cache rolled back to what it holds of prompt + tokens (all but the last), the rest prefilled
             started, stops, done = resume.started, resume.stops, resume.tokens
             full = job.ids + done
             pc = resume.prompt_cache
             k = pc.reuse(full) if pc is not None else 0
-            prompt, caches = full[k:], ([pc.cache] if k else None)
+            self._checkout_entry(pc)
+            prompt, caches, prefix = full[k:], ([pc.cache] if k else None), full[:k]
             for t in done:  # the detokenizer picks up where the run's left off: the same text segments follow
                 detok.add_token(t)
             detok.last_segment
         (uid,) = decoder.insert([prompt], [req.max_tokens - len(done)], caches=caches,
-                                samplers=[sampler])
+                                all_tokens=[prefix] if caches else None, samplers=[sampler])
         members[uid] = _Member(job, detok, stops, started, None if timeout is None else started + timeout,
-                               n=len(done), n0=len(done), cached=resume.cached if resume else None)
+                               n=len(done), n0=len(done), cached=cached)
         self.queue.set_active(len(members))
+
+    # -- the prompt-cache pool (runtime/serve/prompt_pool.py), as the one-request path uses it --------------------
+    def _checkout(self, ids: list[int]):
+        """(the pool's entry sharing the longest prefix with `ids`, rolled back to it; tokens it saves), or (None, 0).
+        The entry leaves the pool while its cache waits in the batch: no other member rolls it back meanwhile."""
+        pool = self.backend.pool
+        if pool is None or not pool.entries:
+            return None, 0
+        entry = max(reversed(pool.entries), key=lambda e: common_prefix(e.tokens, ids))  # ties: most recent
+        if not common_prefix(entry.tokens, ids):
+            return None, 0
+        k = entry.reuse(ids)
+        self._checkout_entry(entry)
+        return entry, k
+
+    def _checkout_entry(self, entry) -> None:
+        pool = self.backend.pool
+        if pool is not None and entry in pool.entries:
+            pool.entries.remove(entry)
+
+    def _keep(self, cache: list, tokens: list[int]) -> None:
+        """A member's KV (mlx-lm's per-sequence cache extracted from the batch, holding `tokens`) into the prompt-cache
+        pool as its most recent entry; entries it extends (the conversation's earlier turns) leave, then the least
+        recently used ones beyond the pool's size. A cache whose length is not its tokens' is not kept."""
+        pool = self.backend.pool
+        offsets = {c.offset for c in cache if c.is_trimmable() and hasattr(c, "offset")}
+        if pool is None or not cache or not tokens or offsets - {len(tokens)}:
+            return
+        mx.eval([c.state for c in cache])  # here, on this thread's streams (MLX streams are per thread)
+        entry = pool.factory()
+        entry.cache, entry.tokens = list(cache), [int(t) for t in tokens]
+        entry.snapshot()
+        pool.entries = [e for e in pool.entries if common_prefix(e.tokens, entry.tokens) < len(e.tokens)]
+        pool.entries.append(entry)
+        del pool.entries[: max(0, len(pool.entries) - pool.size)]
 
     @staticmethod
     def _member_of(members: dict, uid: int):
@@ -177,19 +221,22 @@ class BatchRun:
             m.job.put(JobEvent("text", text=text))
         return m.stops.stopped or r.finish_reason is not None
 
-    def _leave(self, decoder, members: dict, uid: int, reported: bool) -> None:
-        """End one member: removed from the decoder unless the BatchGenerator already finished it; its events,
-        its record, its count."""
+    def _leave(self, decoder, members: dict, uid: int, reported: bool, kept: tuple | None = None) -> None:
+        """End one member: removed from the decoder unless the BatchGenerator already finished it (then `kept` is
+        its (cache, tokens)); its KV kept in the prompt-cache pool unless it was cancelled; its events, its record,
+        its count."""
         m = members.pop(uid)
-        if not reported:
-            decoder.remove([uid])
-        self.queue.set_active(len(members))
         job = m.job
+        if not reported:
+            kept = decoder.remove([uid], return_caches=not job.cancel.is_set()).get(uid)
+        if kept is not None and not job.cancel.is_set():
+            self._keep(*kept)
+        self.queue.set_active(len(members))
         n = m.n
         record = {"prompt_tokens": 0 if m.n0 else len(job.ids), "completion_tokens": n - m.n0,
                   "host_syncs": m.host_syncs, "forwards": n - m.n0 if reported else None,
                   "one_sync_forwards": 0 if reported else None}
-        self.backend.add_run(record, None, time.perf_counter() - m.t0, new_request=not m.n0)
+        self.backend.add_run(record, None if m.n0 else m.cached, time.perf_counter() - m.t0, new_request=not m.n0)
         if job.cancel.is_set():
             self.queue.end(job, "cancelled", m.started)
             job.put(JobEvent("error", error="cancelled"))
