@@ -14,8 +14,12 @@ std `gain / sqrt(in_features)`, with biases = -mid * scales (codes centred on ze
                   attention share puts the running mean of the context's values in every token's hidden
                   state, so consecutive tokens route alike (measured: tests/test_fullscale_checkpoint.py).
                   GatedDeltaNet layers get a longer memory for the same reason: A_log shifted by -8 P.
-                  On the 48-layer Qwen3 shape, P = 0.5 (with S = 1) is so strong that greedy decoding
-                  repeats one token (bench/results/fullscale_qwen3-30b-a3b_local.txt).
+                  The boost is confined to the first half of the hidden dimensions (the rows of o_proj /
+                  out_proj there; the other half keeps gain 1) and lm_head's columns over that half are
+                  zero: routers and attention read the whole (normed) state, dominated by the context,
+                  while the output layer reads only the half where the token's own direction dominates.
+                  Without that split, on the 48-layer Qwen3 shape P = 0.5 (with S = 1) made greedy
+                  decoding repeat one token (bench/results/fullscale_qwen3-30b-a3b_local.txt).
     skew          a fixed direction u (+-1 per quantization group) is added to every embedding row, and
                   each router row e gets S * z_e * u (z_e ~ N(0, 1) per layer; gpt-oss: its router bias
                   S * z_e): every token's logit for expert e is offset by about S * z_e, so the experts
@@ -87,10 +91,24 @@ def affine_scales(module: str, shape: tuple, bits: int, group: int, knobs: Knobs
     base = gain / np.sqrt(in_features) / code_std
     jitter = 1.0 + 0.1 * _rng(knobs, module, 1).standard_normal(shape, dtype=np.float32)
     scales = (base * np.abs(jitter)).astype(np.float32)
+    if knobs.locality > 0 and module.endswith(("self_attn.o_proj", "linear_attn.out_proj")):
+        scales[..., _local_rows(shape[-2]):, :] *= 1.0 / gain  # the boost stays in the local half (gain 1 elsewhere)
+    if knobs.locality > 0 and module.endswith("lm_head"):
+        scales[:, : _unread_by_output(in_features) // group] = 0  # the output layer does not read the local half
     if module.endswith("lm_head") and knobs.decodable:
         scales[knobs.decodable:] = 0
         scales[: knobs.special] = 0
     return scales
+
+
+def _local_rows(hidden: int) -> int:
+    """The hidden dimensions [0, hidden / 2) that attention's boosted output writes when locality > 0."""
+    return hidden // 2
+
+
+def _unread_by_output(hidden: int) -> int:
+    """The hidden dimensions [0, n) lm_head ignores when locality > 0: the local half."""
+    return _local_rows(hidden)
 
 
 def _popularity(module: str, n_experts: int, knobs: Knobs) -> np.ndarray:

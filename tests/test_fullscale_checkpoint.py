@@ -162,3 +162,21 @@ def test_full_size_presets_have_the_published_dimensions():
         assert per_expert == pytest.approx(expert_mb, rel=0.03), preset
         embed = next(s for s in specs if s.name.endswith("embed_tokens.weight"))
         assert embed.shape[0] == vocab
+
+
+def test_locality_at_full_depth_keeps_greedy_tokens_varied(tmp_path, monkeypatch):
+    """48 layers (the Qwen3-30B-A3B depth) at toy widths, P = 0.5 and S = 1: consecutive tokens keep most experts
+    and greedy decoding still walks through varied tokens. The writer that boosted attention in every hidden
+    dimension and let lm_head read them all settled on one token (bench/results/fullscale_qwen3-30b-a3b_local.txt)."""
+    def made(name):
+        return write_checkpoint(tmp_path / name, "qwen3-30b-a3b", small=True, layers=48, locality=0.5, skew=1.0)["out"]
+
+    def distinct(path):
+        stock, tok = load(str(path))
+        return len(set(greedy_ids(stock, tok.encode(PROMPT), 16)))
+
+    local = made("local")
+    assert _routing(local)[0] > 0.8 and distinct(local) >= 6
+    monkeypatch.setattr(fullscale_weights, "_local_rows", lambda hidden: hidden)  # the boost in every dimension
+    monkeypatch.setattr(fullscale_weights, "_unread_by_output", lambda hidden: 0)  # lm_head reads them all
+    assert distinct(made("unsplit")) < 6
