@@ -79,6 +79,59 @@ def run_batch(om, prompts, n: int) -> dict:
     return out
 
 
+def run_steps(om, prompts, n: int, on_ids: bool) -> dict:
+    """Decode steps per second of one batch once every stream has joined (the first step, which prefills, untimed),
+    on a warm cache: its layers on their ids (on_ids) or each layer's routing read back (the per-layer path)."""
+    with BatchDecoder(om, max_tokens=n, on_ids=on_ids) as dec:
+        uids = dec.insert(prompts, [n] * len(prompts))
+        tokens = {u: [] for u in uids}
+        while dec.n_active < len(prompts):
+            for r in dec.next():
+                tokens[r.uid].append(r.token)
+        steps0, syncs0 = dec.totals.steps, dec.totals.host_syncs
+        t0, cpu0, calls = time.perf_counter(), time.process_time(), 0
+        while responses := dec.next():
+            calls += 1
+            for r in responses:
+                tokens[r.uid].append(r.token)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    steps = dec.totals.steps - steps0  # after close: every step booked (a step on ids is booked once evaluated)
+    return {"steps_per_s": calls / wall, "cpu_steps_per_s": calls / cpu, "steps": steps,
+            "host_syncs_per_step": (dec.totals.host_syncs - syncs0) / max(1, steps), "tokens": [tokens[u] for u in uids]}
+
+
+def compare_sync(path: Path, b: int, n: int, repeats: int) -> None:
+    """--on-ids: B streams at 100%, the batch step on the routed ids (one sync) against per-layer syncs, interleaved."""
+    om = OffloadedModel.load(path, OffloadConfig(budget="100%"))
+    try:
+        prompts = prompts_for(om.tokenizer, b)
+        reference = stock_batch(path, prompts, n)
+        runs, equal = {True: [], False: []}, True
+        run_steps(om, prompts, 4, True)  # warm: every expert read, in order
+        for r in range(repeats):
+            for on_ids in ((True, False) if r % 2 == 0 else (False, True)):
+                run = run_steps(om, prompts, n, on_ids)
+                equal &= run.pop("tokens") == reference
+                runs[on_ids].append(run)
+    finally:
+        om.close()
+    ratio = [a["steps_per_s"] / s["steps_per_s"] for a, s in zip(runs[True], runs[False])]
+    cpu_ratio = [a["cpu_steps_per_s"] / s["cpu_steps_per_s"] for a, s in zip(runs[True], runs[False])]
+    lines = [f"embedded target at 100%, {b} streams x {n} greedy tokens, {repeats} interleaved repeats, median (min-max); "
+             f"decode steps after every stream joined",
+             f"{'path':<26}{'steps/s':>20}{'steps/s CPU time':>22}{'host syncs/step':>17}"]
+    for on_ids, name in ((True, "on ids (one sync)"), (False, "per-layer syncs")):
+        rs = runs[on_ids]
+        lines.append(f"{name:<26}{med([x['steps_per_s'] for x in rs]):>20}{med([x['cpu_steps_per_s'] for x in rs]):>22}"
+                     f"{statistics.median(x['host_syncs_per_step'] for x in rs):>17.2f}")
+    lines.append(f"on ids / per-layer: wall {med2(ratio)}, CPU time {med2(cpu_ratio)} (paired per repeat)")
+    lines.append(f"tokens equal to stock mlx-lm's BatchGenerator on the resident model, every run: {equal}")
+    print("\n".join(lines))
+    print(json.dumps({"bench": "batch_on_ids", "model": "embedded target", "streams": b, "max_tokens": n,
+                      "repeats": repeats, "equal_stock_batch": equal, "ratio": ratio, "cpu_ratio": cpu_ratio,
+                      "on_ids": runs[True], "per_layer": runs[False]}))
+
+
 def _summary(t0: float, cpu0: float, streams: list[list[float]], tokens: list[list[int]], reads: int) -> dict:
     cpu = time.process_time() - cpu0
     end = max(s[-1] for s in streams)
@@ -114,7 +167,13 @@ def main() -> None:
     ap.add_argument("--streams", default="1,2,4,8", help="comma-separated numbers of concurrent streams")
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per stream")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of queue and batch")
+    ap.add_argument("--on-ids", action="store_true",
+                    help="instead: at 100%%, the first of --streams batched with each step on the routed ids against "
+                         "per-layer syncs (decode steps/s)")
     args = ap.parse_args()
+    if args.on_ids:
+        compare_sync(embedded_pair().target, int(args.streams.split(",")[0]), args.max_tokens, args.repeats)
+        return
     budgets = args.budgets.split(",")
     counts = [int(s) for s in args.streams.split(",")]
     path = embedded_pair().target
