@@ -7,12 +7,15 @@ offsets), continuous batching (sequences join between steps, leave when they fin
 prompt processing of newcomers in chunks of `prefill_step_size`, samplers and stop sequences. It drives
 the paged model (`om.model`) as it would the resident one, through a thin forwarding view (`_PagedView`)
 that only names each forward:
-- a decode step is one forward of B tokens (B, 1). Each MoE layer routes the B tokens, reads the union
-  of their experts back once (one host sync per MoE layer, runtime/cache/cached_switch.py), reads each
-  absent expert of that union once, and runs all B tokens on the cache's slots; the slots stay pinned
-  until the output is evaluated (the module evaluates its pending output before its next call). A union
-  larger than the layer's usable slots goes expert-major (runtime/cache/expert_major.py): still one read
-  per unique expert.
+- a decode step is one forward of B tokens (B, 1). Each MoE layer routes the B tokens; below a full budget it
+  reads the union of their experts back once (one host sync per MoE layer, runtime/cache/cached_switch.py),
+  reads each absent expert of that union once, and runs all B tokens on the cache's slots; the slots stay
+  pinned until the output is evaluated (the module evaluates its pending output before its next call). A
+  union larger than the layer's usable slots goes expert-major (runtime/cache/expert_major.py): still one
+  read per unique expert. A layer whose experts all sit in the slots numbered like them (a full budget) runs
+  on the router's ids with no read-back (runtime/decode/batch_pass.py: held from before the build until
+  evaluated; mlx-lm builds step n+1 before it reads step n's tokens, so such a step is booked -- routing,
+  counters -- one step later): a step then makes one host sync, mlx-lm's token read-back.
 - a newcomer's prompt chunk (B', n) runs expert-major where it has experts to read; its logits are never
   read (mlx-lm evaluates the caches only), so the last decoder layer's experts are skipped as in plain
   prefill (runtime/decode/kv_only.py). The forward of a newcomer's last prompt token, which samples its
@@ -23,11 +26,14 @@ prompts, settings and schedule of inserts, removals and steps (greedy; same arit
 outputs are stock's bit for bit, tests/test_batch_generate.py); `BatchStepStats.unique_experts` of a
 step is the sum over MoE layers of the size of the union of its B tokens' experts, `summed_experts`
 the sum over layers and tokens of each token's own experts (what B one-at-a-time steps would look up);
-nothing is left pinned after close().
+nothing is left pinned or held after close(); BatchStepStats.host_syncs counts a step's routing read-backs and
+mlx-lm's token read-back (1 on ids).
 
-Not here: the one-sync device pass (a batch step syncs once per MoE layer at every budget), lookahead
-prefetch, speculative decoding, and the memory limit's KV accounting (runtime/cache/context_governor.py)
-for the batch's caches.
+Under --memory-limit the batch's KV caches are reported to the context governor (runtime/decode/batch_memory.py),
+so expert slots give way as the batch grows and come back as members leave.
+
+Not here: the table lookups with repair of the single-sequence device pass (below a full budget a step syncs
+once per MoE layer), lookahead prefetch, speculative decoding.
 """
 
 from __future__ import annotations

@@ -21,13 +21,22 @@ Per request as on the one-at-a-time path: the same events, text, finish_reason a
 completion_tokens (the end-of-sequence token counted, not shown); its own sampler (temperature,
 top_p, top_k, min_p). Not batched (left for the queue to run alone): requests with a seed, and
 every request of an engine that cannot batch (speculative, --kv-bits; Backend.batchable). A job
-that cannot join stops admission, so jobs still start in arrival order. Batched requests take no
-prompt cache from the pool (cached_tokens None), but a resumed run starts from its own.
+that cannot join stops admission, so jobs still start in arrival order.
+
+The prompt-cache pool (runtime/serve/prompt_pool.py) per request, as on the one-at-a-time path: a newcomer takes
+the entry sharing the longest prefix with its prompt, rolled back to it (PromptCache.reuse), as its sequence's
+cache (mlx-lm's all_tokens: those tokens) and prefills the rest (cached_tokens counts them); the entry is out of the
+pool while the member runs, so no other member rolls it back. When a member ends (finished, stopped, timed out),
+its KV -- mlx-lm extracts one sequence's cache from the batch caches (GenerationBatch.Response.prompt_cache, or
+BatchGenerator.remove(..., return_prompt_caches=True)), as mlx_lm.server returns a request's cache to its LRU
+prompt cache -- goes back into the pool as its newest entry, replacing the entries it extends (the conversation's
+earlier turn); a cancelled member's entry goes back as it took it.
 
 Invariants: only the worker thread runs this; every admitted job ends with exactly one "done" or
 "error" event and is counted once by the queue (GenerationQueue.end); a token reaches only the job
 whose uid the BatchGenerator gave it; an exception in the decoder ends every member with an error
-and closes the decoder; nothing is left in the decoder when run returns.
+and closes the decoder; nothing is left in the decoder when run returns; a cache kept in the pool holds exactly
+its tokens (its length checked) and is evaluated on the worker thread that made it (MLX streams are per thread).
 """
 
 from __future__ import annotations
@@ -71,7 +80,8 @@ class _Member:
     timed_out: bool = False
     finish: str | None = None  # the BatchGenerator's finish_reason: "stop" (end of sequence) or "length"
     n0: int = 0  # tokens emitted before it joined (a resumed run), counted in that run's record
-    cached: int | None = None  # a resumed run's prompt tokens taken from the prompt cache
+    cached: int | None = None  # prompt tokens taken from the prompt cache (its pool entry, or a resumed run's own)
+    entry: object = None  # the pool entry its cache came from (out of the pool while it runs; back if it is cancelled)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -140,12 +150,15 @@ class BatchRun:
             entry, k = self._checkout(job.ids)  # a conversation's earlier turn: its KV from the pool, the rest prefilled
             if k:
                 prompt, caches, prefix, cached = job.ids[k:], [entry.cache], job.ids[:k], k
+            else:
+                entry = None
         else:  # its cache rolled back to what it holds of prompt + tokens (all but the last), the rest prefilled
             started, stops, done = resume.started, resume.stops, resume.tokens
             full = job.ids + done
             pc = resume.prompt_cache
             k = pc.reuse(full) if pc is not None else 0
             self._checkout_entry(pc)
+            entry = pc if k else None
             prompt, caches, prefix = full[k:], ([pc.cache] if k else None), full[:k]
             for t in done:  # the detokenizer picks up where the run's left off: the same text segments follow
                 detok.add_token(t)
@@ -153,7 +166,7 @@ class BatchRun:
         (uid,) = decoder.insert([prompt], [req.max_tokens - len(done)], caches=caches,
                                 all_tokens=[prefix] if caches else None, samplers=[sampler])
         members[uid] = _Member(job, detok, stops, started, None if timeout is None else started + timeout,
-                               n=len(done), n0=len(done), cached=cached)
+                               n=len(done), n0=len(done), cached=cached, entry=entry)
         self.queue.set_active(len(members))
 
     # -- the prompt-cache pool (runtime/serve/prompt_pool.py), as the one-request path uses it --------------------
@@ -187,6 +200,13 @@ class BatchRun:
         entry = pool.factory()
         entry.cache, entry.tokens = list(cache), [int(t) for t in tokens]
         entry.snapshot()
+        self._return(entry)
+
+    def _return(self, entry) -> None:
+        """`entry` into the pool as its newest; entries it extends leave, then the oldest beyond the pool's size."""
+        pool = self.backend.pool
+        if pool is None or not entry.tokens:
+            return
         pool.entries = [e for e in pool.entries if common_prefix(e.tokens, entry.tokens) < len(e.tokens)]
         pool.entries.append(entry)
         del pool.entries[: max(0, len(pool.entries) - pool.size)]
@@ -231,6 +251,8 @@ class BatchRun:
             kept = decoder.remove([uid], return_caches=not job.cancel.is_set()).get(uid)
         if kept is not None and not job.cancel.is_set():
             self._keep(*kept)
+        elif job.cancel.is_set() and m.entry is not None:
+            self._return(m.entry)  # what it took, as it was (mlx-lm copied it into the batch)
         self.queue.set_active(len(members))
         n = m.n
         record = {"prompt_tokens": 0 if m.n0 else len(job.ids), "completion_tokens": n - m.n0,
