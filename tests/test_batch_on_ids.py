@@ -3,6 +3,7 @@
 - Every family at 100%: the tokens equal stock mlx-lm's BatchGenerator with joins and a leave (the schedule of
   tests/test_batch_generate.py), and each decode step makes exactly one host sync (mlx-lm's token read-back) where
   the per-layer path makes one per MoE layer more -- counted by BatchStepStats.host_syncs, not timed.
+- Random schedules of joins, leaves, steps and governor requests from 100% equal stock (hypothesis).
 - A shrink between steps (the governor's request) and one applied in the middle of a step's build (after its first
   MoE layer ran on its ids) keep the tokens: the built layers' slots are held until the step is evaluated, the
   layers after the shrink take the synced path. Planted: without the hold, the mid-build shrink frees the slots
@@ -12,6 +13,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.generate import BatchGenerator
 from test_batch_generate import run_schedule, stock_runs  # noqa: F401 (stock_runs: the fixture)
 
 from runtime.checkpoints.tiny import FAMILIES
@@ -102,5 +106,63 @@ def test_a_shrink_in_the_middle_of_a_step_keeps_the_tokens_and_a_missing_hold_is
         with BatchDecoder(om) as dec:
             got = run_schedule(dec.next, dec.insert, dec.remove, prompts)
         assert got != expected
+    finally:
+        om.close()
+
+
+SHRINK_EVENT = st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.tuples(st.lists(st.integers(1, 300), min_size=1, max_size=24),
+                                                    st.integers(1, 9)), min_size=1, max_size=3)),
+    st.tuples(st.just("remove"), st.integers(0, 7)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("shrink"), st.integers(4, 32)))
+
+
+@pytest.fixture(scope="module")
+def stock_qwen(tiny_dirs):
+    from mlx_lm import load as stock_load
+
+    return stock_load(str(tiny_dirs["qwen3_moe"]))[0]
+
+
+def _play(next_step, insert, remove, events, shrink) -> dict[int, list[int]]:
+    """run_events (tests/test_batch_generate.py) with governor requests among the events: shrink(n) plays them."""
+    uids, out = [], {}
+    for kind, arg in events:
+        if kind == "insert":
+            for uid in insert([p for p, _ in arg], [m for _, m in arg]):
+                uids.append(uid)
+                out[uid] = []
+        elif kind == "remove":
+            if arg < len(uids):
+                remove([uids[arg]])
+        elif kind == "shrink":
+            shrink(arg)
+        else:
+            for _ in range(arg):
+                for r in next_step():
+                    out[r.uid].append(r.token)
+    while responses := next_step():
+        for r in responses:
+            out[r.uid].append(r.token)
+    return out
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=st.lists(SHRINK_EVENT, min_size=1, max_size=10))
+def test_random_schedules_with_shrinks_at_a_full_budget_equal_stock(events, tiny_dirs, stock_qwen):
+    """Random joins, leaves, steps and governor requests (applied at a layer's next call, as the memory governor's),
+    starting at 100%: steps on ids until a layer shrinks, synced after; stock's tokens throughout."""
+    gen = BatchGenerator(stock_qwen, stop_tokens=None)
+    try:
+        expected = _play(gen.next_generated, gen.insert, gen.remove, events, lambda n: None)
+    finally:
+        gen.close()
+    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
+    try:
+        with BatchDecoder(om) as dec:
+            got = _play(dec.next, dec.insert, dec.remove, events, om.cache.request_usable_slots)
+        assert got == expected
+        assert all(int(om.cache.table.layers[l].held) == 0 for l in om.moe_layers)
     finally:
         om.close()
