@@ -18,7 +18,7 @@ tok/s (tokens after each stream's first, over the time its decoding spanned), pe
 seconds per token after its first, median over streams), per step of the batch its unique expert lookups against
 their sum over the sequences and the experts it read, MB read (all and decode only), the cgroup's peak memory
 (process plus charged page cache) and the load average. --deadline-s: a run is not started when the previous run
-of its kind says it would end past the deadline (the file says which were not run).
+of its kind says it would end past the deadline, and a run still going then is killed (the file says which).
 
 Tokens: batch against queue (on this CPU backend batched and single-sequence greedy tokens agree for the stock
 families, bench/results/batch_stock_drift.txt); the lossless check against stock mlx-lm's BatchGenerator needs
@@ -108,7 +108,7 @@ def child(args) -> None:
 
 
 # -- the parent: capped runs, interleaved ----------------------------------------------------------------------------
-def capped(args, way: str, cap: int, json_path: Path, log) -> dict:
+def capped(args, way: str, cap: int, json_path: Path, log, timeout_s: float | None = None) -> dict:
     from bench.capped_run import _env
     from bench.fullscale_bandwidth import checkpoint_files
     from bench.fullscale_cgroup import MemoryCgroup, drop_file_cache
@@ -119,7 +119,7 @@ def capped(args, way: str, cap: int, json_path: Path, log) -> dict:
     drop_file_cache(checkpoint_files(args.model))
     load0 = _loadavg()
     with MemoryCgroup(cap) as cg:
-        res = cg.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        res = cg.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), timeout_s=timeout_s)
     out = {"way": way, "exit_code": res.exit_code, "oom_killed": res.oom_killed, "process_wall_s": res.wall_s,
            "cgroup_peak_gb": res.cgroup_peak_bytes / 1e9, "rss_peak_gb": res.rss_peak_bytes / 1e9,
            "load_before": load0, "load_after": _loadavg()}
@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="queue/batch pairs, alternating which runs first")
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"], help="specmoe --io-mode")
     ap.add_argument("--deadline-s", type=float, default=None,
-                    help="do not start a run that the previous run of its kind says would end after this many seconds")
+                    help="do not start a run that the previous run of its kind says would end after this many seconds; "
+                         "a run still going at the deadline is killed (reported with its exit code)")
     ap.add_argument("--out", default=None, help="also write the table and JSON line here")
     ap.add_argument("--log", default=None, help="the runs' output (default: discarded)")
     ap.add_argument("--note", default=None, help="a line for --out's header (e.g. what else ran on the machine)")
@@ -210,10 +211,11 @@ def main(argv=None) -> int:
             for way in (("queue", "batch") if i % 2 == 0 else ("batch", "queue")):
                 if args.deadline_s is not None and way in last and \
                         time.time() - t0 + last[way] > args.deadline_s:
-                    skipped.append(f"repeat {i + 1} {way}: the last {way} run took {last[way]:.0f} s, past "
-                                   f"--deadline-s {args.deadline_s:.0f}")
+                    skipped.append(f"repeat {i + 1} {way}: {time.time() - t0:.0f} s in, the last {way} run took "
+                                   f"{last[way]:.0f} s: it would end past --deadline-s {args.deadline_s:.0f}")
                     continue
-                r = capped(args, way, cap, tmp / f"{way}-{i}.json", log)
+                left = None if args.deadline_s is None else max(1.0, args.deadline_s - (time.time() - t0))
+                r = capped(args, way, cap, tmp / f"{way}-{i}.json", log, timeout_s=left)
                 last[way] = r["process_wall_s"]
                 runs.append(r)
                 print(f"# {way} run {i + 1}: exit {r['exit_code']}, {r['process_wall_s']:.0f} s", file=sys.stderr)
