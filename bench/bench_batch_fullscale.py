@@ -10,7 +10,7 @@ which is smaller than the sum when the tokens share experts. The batch also pref
 (expert-major: each unique expert of all the prompts read once) where the queue prefills each prompt alone.
 
 Method: each run is a fresh process in a fresh cgroup (the cap), the checkpoint evicted from the page cache
-first, --io-mode direct: "queue" generates the B prompts one after another through plain decoding
+first, --io-mode direct, --memory-limit auto (the cap, as `specmoe` and runtime.load default to): "queue" generates the B prompts one after another through plain decoding
 (runtime.decode.generate_tokens); "batch" inserts all B into one BatchDecoder (runtime/decode/batch.py). The
 two ways alternate which runs first, --repeats times. Reported per run: aggregate tok/s (every stream's tokens
 over the wall time from the first prompt to the last token, prefill included; the model's load excluded), decode
@@ -54,7 +54,7 @@ def child(args) -> None:
     from runtime.decode import BatchDecoder, OffloadConfig, OffloadedModel, generate_tokens
 
     t_load = time.perf_counter()
-    om = OffloadedModel.load(args.model, OffloadConfig(budget=args.budget, io_mode=args.io_mode))
+    om = OffloadedModel.load(args.model, OffloadConfig(budget=args.budget, io_mode=args.io_mode, memory_limit="auto"))
     load_s = time.perf_counter() - t_load
     try:
         prompts = prompts_for(om.tokenizer, args.streams, args.prompt_tokens)
