@@ -102,6 +102,11 @@ def child(args) -> None:
                   "stream_latency_s": statistics.median(latency) if latency else 0.0,
                   "mb_read": (om.loader.stats.bytes_read - bytes0) / 1e6, "decode_mb_read": decode_bytes / 1e6,
                   "misses_total": om.counters()["misses"], "tokens": tokens, **extra}
+        gov = om.context_governor  # --memory-limit auto under the cap: slots given way to the KV, if any
+        if gov is not None:
+            result["governor"] = {"updates": gov.stats.n_updates, "shrinks": gov.stats.n_shrinks,
+                                  "usable_slots_at_end": gov.stats.usable, "kv_bytes": gov.stats.kv_bytes,
+                                  "planned_slots": gov.max_slots}
     finally:
         om.close()
     Path(args.json).write_text(json.dumps(result))
