@@ -121,6 +121,8 @@ run batch_goal python bench/bench_batch.py --budgets 25% --streams 1,4 --repeats
 run batch_plot python bench/plot_batch.py "$OUT/batch.txt" --plot docs/img/batch.png
 run batch_stock_drift python bench/batch_stock_drift.py
 run serve_batch python bench/bench_serve_batch.py --repeats 7 --max-tokens 48  # specmoe serve: 4 HTTP clients, --max-batch 1 vs 4
+run batch_on_ids python bench/bench_batch.py --on-ids --streams 4 --max-tokens 32 --repeats 9  # batch steps on the routed ids vs per-layer syncs
+run batch_full_budget python bench/bench_batch.py --budgets 100% --streams 1,2,4,8 --repeats 7 --max-tokens 48  # the 100% rows with steps on ids
 run families python bench/bench_families.py
 run memory python bench/bench_memory.py
 # full scale (bench/capped_run.py; root for the cgroup caps, ~20 GB free in $FULLSCALE_DIR, ~30 min): a 19 GB Qwen3-30B-A3B-shaped checkpoint, stock resident, specmoe 100%, and 4GB/auto budgets and stock under 10.7 and 8 GB caps
