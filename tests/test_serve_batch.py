@@ -13,7 +13,9 @@ requests run the one-sync device pass between the batches):
   summed expert lookups, and the lifetime counters still add up (every host sync of a batch is in
   some request's record);
 - each member samples with its own settings: a hot request leaves the greedy ones unchanged;
-- planted: tokens routed to the wrong request's stream are caught by the same comparison.
+- planted: tokens routed to the wrong request's stream are caught by the same comparison;
+- the prompt-cache pool: two conversations batched over HTTP, then one's follow-up reuses its batched turn's KV
+  (the stats' reused prompt tokens) and equals a fresh stock run; planted, the batch's caches not kept: no reuse.
 """
 
 from __future__ import annotations
@@ -253,12 +255,9 @@ def test_http_concurrent_requests_batch_and_the_counters_add_up(engine, backend)
     assert syncs["forwards"] >= syncs["reported_tokens"] and syncs["one_sync_forwards"] <= syncs["forwards"]
 
 
-def test_http_a_batched_conversations_kv_serves_its_next_turn(engine, backend):
-    """Two conversations decoded together over HTTP; each one's KV goes to the prompt-cache pool when it ends (mlx-lm
-    extracts it from the batch caches), so the follow-up turn of one of them, alone, prefills only its new part: the
-    stats count its reused prompt tokens, and its text equals a fresh stock mlx-lm run of the whole follow-up."""
-    from mlx_lm import load as stock_load
-    from mlx_lm import stream_generate as stock_stream
+def _two_conversations_then_a_follow_up(engine, backend) -> tuple:
+    """Two conversations posted at once over HTTP (the pool emptied first), then the second one's follow-up alone.
+    Returns (batching stats before, after the two; prompt tokens the follow-up reused; its messages; its text)."""
     from starlette.testclient import TestClient
 
     cfg = engine.model.config
@@ -289,12 +288,27 @@ def test_http_a_batched_conversations_kv_serves_its_next_turn(engine, backend):
             after = client.get("/v1/specmoe/stats").json()
     finally:
         queue.close()
-    b0, b1 = before["batching"], batched["batching"]
-    assert b1["steps"] > b0["steps"] and b1["max_seen"] >= 2  # the two were decoded together
     reused = after["requests"]["cached_prompt_tokens"] - batched["requests"]["cached_prompt_tokens"]
-    first = backend.encode_messages(turns[1])
+    return (before["batching"], batched["batching"], reused, turns[1], follow,
+            r.json()["choices"][0]["message"]["content"])
+
+
+def test_http_a_batched_conversations_kv_serves_its_next_turn(engine, backend, monkeypatch):
+    """Two conversations decoded together over HTTP; each one's KV goes to the prompt-cache pool when it ends (mlx-lm
+    extracts it from the batch caches), so the follow-up turn of one of them, alone, prefills only its new part: the
+    stats count its reused prompt tokens, and its text equals a fresh stock mlx-lm run of the whole follow-up.
+    Planted: the batch's caches not kept; the follow-up reuses none of its first turn."""
+    from mlx_lm import load as stock_load
+    from mlx_lm import stream_generate as stock_stream
+
+    b0, b1, reused, first_turn, follow, text = _two_conversations_then_a_follow_up(engine, backend)
+    assert b1["steps"] > b0["steps"] and b1["max_seen"] >= 2  # the two were decoded together
+    first = backend.encode_messages(first_turn)
     assert reused >= len(first)  # the follow-up started from the batched turn's KV
     model, tok = stock_load(str(embedded_pair().target))
-    ids = backend.encode_messages(follow)
-    want = "".join(x.text for x in stock_stream(model, tok, ids, max_tokens=10))
-    assert r.json()["choices"][0]["message"]["content"] == want
+    want = "".join(x.text for x in stock_stream(model, tok, backend.encode_messages(follow), max_tokens=10))
+    assert text == want
+
+    monkeypatch.setattr(BatchRun, "_keep", lambda self, cache, tokens: None)
+    b0, b1, reused, _, _, text = _two_conversations_then_a_follow_up(engine, backend)
+    assert b1["steps"] > b0["steps"] and reused < len(first) and text == want
