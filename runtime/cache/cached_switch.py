@@ -15,7 +15,9 @@ Invariants:
   experts to read, runs expert-major (runtime/cache/expert_major.py): each unique expert
   read once, reads overlapping compute. Other calls too large for the slots would be
   split into token groups that each fit (split_by_capacity).
-- A normal call reads the router's choice back to the host (one sync per MoE layer).
+- A normal call reads the router's choice back to the host (one sync per MoE layer). A decode token's call
+  (one token, no device pass, no observer) whose experts are all valid does the general path's release,
+  bookkeeping, pins and telemetry in one lock round trip (_token_call); any other falls back to it.
 - Inside a device pass (runtime/decode/device_pass.py), a call whose tokens x k fit the
   layer's usable slots maps the router's ids through the cache's persistent device table
   (expert -> slot, or n_slots + expert when absent) on the device: no host sync, no Python
@@ -106,6 +108,41 @@ class CachedSwitchGLU(nn.Module):
         self._pending.append((out, slots))
         return out
 
+    def _token_call(self, x: mx.array, indices: mx.array) -> tuple[mx.array | None, np.ndarray]:
+        """One token's call (a decode step), outside a device pass and unobserved: when its experts are all valid,
+        what release_pending(), ensure(), slot_ids() and the telemetry do, in one lock round trip and a few list
+        operations. Returns (output, expert ids); the output is None when an expert is absent or loading (or they
+        exceed the usable slots): then the earlier outputs are released, a pending resize applied and nothing
+        else changed, for the general path to read them."""
+        pending = self._pending
+        if pending:
+            mx.eval([out for out, _ in pending])  # evaluated before their slots are unpinned (in use_valid)
+        release = [s for _, slots in pending for s in slots]
+        pending.clear()
+        self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
+        ids = np.array(indices)  # host sync: which experts this call needs
+        self.cache.host_syncs += 1
+        row = ids.reshape(-1).tolist()
+        experts = sorted(set(row))
+        got = self.cache.use_valid(self.layer, experts, release)
+        if got is None:
+            return None, ids
+        slots, prefetch_used = got
+        slot_of = dict(zip(experts, slots))
+        inds = [slot_of[e] for e in row]
+        for _ in range(ids.ndim - 1):
+            inds = [inds]  # ids' shape: every leading dimension is 1
+        try:
+            out = self._switch(x, mx.array(inds, mx.uint32))
+        except BaseException:
+            self.cache.unpin(self.layer, slots)
+            raise
+        pending.append((out, slots))
+        if self.telemetry is not None:  # the records on_call() files, its counts known here
+            n = len(experts)
+            self.telemetry.on_forward([(self.layer, ids.reshape(1, -1), n, (n, 0, prefetch_used, 0, 0.0))])
+        return out, ids
+
     @property
     def device(self):
         """The device pass building a forward now (cache.active_pass), or None: one switch for all layers."""
@@ -131,16 +168,21 @@ class CachedSwitchGLU(nn.Module):
         return self._switch(x, safe), codes
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if self._pending:
-            self.release_pending()
         device = self.cache.active_pass
-        if device is not None and self.layer in device.lookup_layers:
-            out, slots = self.lookup(x, indices, device)
-            device.record(self.layer, indices, slots)
-            return out
-        self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
-        ids = np.array(indices)  # host sync: which experts this call needs
-        self.cache.host_syncs += 1
+        if device is None and self.observer is None and indices.size == indices.shape[-1]:
+            out, ids = self._token_call(x, indices)
+            if out is not None:
+                return out
+        else:
+            if self._pending:
+                self.release_pending()
+            if device is not None and self.layer in device.lookup_layers:
+                out, slots = self.lookup(x, indices, device)
+                device.record(self.layer, indices, slots)
+                return out
+            self.cache.unprotect(self.layer)  # the verify pass is here: forecasts of this layer have served
+            ids = np.array(indices)  # host sync: which experts this call needs
+            self.cache.host_syncs += 1
         if self.observer is not None and device is None:
             self.observer(self.layer, ids.reshape(-1, ids.shape[-1]))
         k = ids.shape[-1]

@@ -39,7 +39,6 @@ from storage import AsyncLoader, ExpertKey, LayerLayout
 from storage.loader import DEMAND, PREFETCH, LoadTicket
 
 
-
 class ExpertCache(ResidentTables):
     """Budgeted per-layer expert slots backed by MLX slabs (device lookup: runtime/cache/resident_tables.py)."""
 
@@ -116,10 +115,8 @@ class ExpertCache(ResidentTables):
 
     # -- resizing (memory governor) ------------------------------------------------------
     def request_usable_slots(self, n: int | dict[int, int]) -> None:
-        """Ask for `n` usable slots (per layer, or the same for all); thread-safe.
-
-        Clamped to [min_usable, n_slots]; applied at each layer's next usable_slots().
-        """
+        """Ask for `n` usable slots (per layer, or the same for all); thread-safe. Clamped to [min_usable, n_slots];
+        applied at each layer's next usable_slots()."""
         with self._lock:
             for layer in self.table.layers:
                 self._pending_usable[layer] = n[layer] if isinstance(n, dict) else n
@@ -296,6 +293,8 @@ class ExpertCache(ResidentTables):
 
     def unprotect(self, layer: int | None = None) -> None:
         """End the protection of forecast experts of `layer` (all layers if None)."""
+        if not self._protected:  # only this thread adds to it (prefetch): empty stays empty
+            return
         with self._lock:
             slots: dict[int, list] = {}
             for key in [k for k in self._protected if layer is None or k.layer == layer]:
@@ -304,11 +303,18 @@ class ExpertCache(ResidentTables):
                 self.table.unpin(l, held)
                 self._settle_beyond(l)
 
-    def ensure(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, CallStats]:
-        """Make `experts` (unique ids) valid in `layer`; returns their slots, pinned, and what it took.
+    def use_valid(self, layer: int, experts: list[int], release: list[int]) -> tuple[list[int], int] | None:
+        """unpin(layer, release), usable_slots(layer) and ensure() of `experts` (unique ids, at most the usable slots)
+        when every one is valid, in one lock round trip: (their slots, pinned; prefetch hits). None when one is not
+        valid or they are more than the usable slots: `release` is unpinned all the same, nothing else changed."""
+        with self._lock:
+            if release:
+                self.unpin(layer, release)
+            return self.table.use_valid(layer, experts) if len(experts) <= self.usable_slots(layer) else None
 
-        The caller must unpin(layer, slots) once every graph reading them is evaluated.
-        """
+    def ensure(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, CallStats]:
+        """Make `experts` (unique ids) valid in `layer`; returns their slots, pinned, and what it took. The caller
+        must unpin(layer, slots) once every graph reading them is evaluated."""
         tickets, pinned, absent = [], [], []
         self._await_room(layer, experts)
         try:

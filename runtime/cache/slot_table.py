@@ -146,6 +146,20 @@ class SlotTable:
             pinned.append(slot)
         return present, absent, pinned
 
+    def use_valid(self, layer: int, experts: list[int]) -> tuple[list[int], int] | None:
+        """request() of `experts` (unique ids, in order) when every one is valid: recency, hits and prefetch use as
+        access() books them, their slots pinned. Returns (slots, prefetch hits), or None, changing nothing, when one
+        is not valid (request() then reads it). A decode token's call, all hits: a few list operations."""
+        ls = self.layers[layer]
+        to_slot, state = ls.expert_to_slot, ls.state
+        slots = [int(to_slot[e]) for e in experts]
+        for s in slots:
+            if s < 0 or state[s] != VALID:
+                return None
+        used = self.record_slots(layer, slots, None, len(slots), 0)[1]
+        self.pin(layer, slots)
+        return slots, used
+
     def reserve(self, key: ExpertKey, *, prefetch: bool = False) -> int | None:
         """Give `key` a slot in state loading, evicting if needed; None if every slot is busy."""
         ls = self.layers[key.layer]
