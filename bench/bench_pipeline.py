@@ -10,10 +10,9 @@ projects real links.
 
 Variants, all greedy on the same prompt and the tiny trained target at the same per-rank
 budget, each a fresh `specmoe generate` (single: one process; pipeline N: `mlx.launch -n N
---backend ring` on 127.0.0.1), named N/mode[/off]: 1/plain, 2/plain, 3/plain, 2/plain/off (the
-stages on the synced path: a host sync per MoE layer), 1/spec, 2/spec (the tiny drafter, adaptive
-K in both). Every variant runs --one-sync auto (a device pass per forward; per stage in the
-pipeline) unless it ends in /off. Variants run interleaved, `--repeats` times; the table gives
+--backend ring` on 127.0.0.1), named N/mode: 1/plain, 2/plain, 3/plain, 1/spec, 2/spec (the tiny
+drafter, adaptive K in both). Every variant decodes as the engine's default (in the pipeline: a
+device pass per forward on each stage). Variants run interleaved, `--repeats` times; the table gives
 decode tok/s (median, min-max), the ratio to the single process of the same mode per repeat
 (median, min-max), host syncs per decode step (or verify window) on each rank, the mean K, the
 time per message seen by rank 0 and the bytes each rank sent. Ends with one JSON line.
@@ -39,13 +38,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Experts live on disk and 
 
 
 def run(variant: str, args, out: Path) -> dict:
-    n_ranks, spec, *rest = variant.split("/")
-    one_sync = "off" if rest == ["off"] else "auto"
+    n_ranks, spec = variant.split("/")
     cli = [sys.executable, "-m", "runtime.cli.app", "generate", "-m", str(args.model), "-p", PROMPT, "--raw-prompt",
            "-n", str(args.tokens), "--budget", args.budget, "--json", str(out)]
     if spec == "spec":
         cli += ["--draft", str(args.draft), "--num-draft", str(args.num_draft), "--predictor", "spmoe"]
-    cli += ["--one-sync", one_sync]
     if n_ranks == "1":
         cmd = cli + ["--no-memory-governor"]  # the stages have no governor either
     else:
@@ -87,7 +84,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--num-draft", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variants", default="1/plain,2/plain,3/plain,2/plain/off,1/spec,2/spec")
+    p.add_argument("--variants", default="1/plain,2/plain,3/plain,1/spec,2/spec")
     args = p.parse_args()
     variants = args.variants.split(",")
     rows: dict[str, list[dict]] = {v: [] for v in variants}

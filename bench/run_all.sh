@@ -130,6 +130,10 @@ run fullscale_qwen3-30b-a3b bash -c 'd=${FULLSCALE_DIR:-/tmp}/fullscale-qwen3-30
 run fullscale_gpt-oss-20b bash -c 'd=${FULLSCALE_DIR:-/tmp}/fullscale-gpt-oss-20b; [[ -d $d ]] || python -m bench.fullscale_checkpoint --preset gpt-oss-20b --out "$d" >&2 || exit 1; python -m bench.capped_run --model "$d" --caps 8GB --budgets 4GB,auto --stock-capped -n 8'
 run fullscale_qwen3-30b-a3b_local bash -c 'd=${FULLSCALE_DIR:-/tmp}/fullscale-qwen3-30b-a3b-local; [[ -d $d ]] || python -m bench.fullscale_checkpoint --preset qwen3-30b-a3b --skew 1 --locality 0.5 --out "$d" >&2 || exit 1; python -m bench.capped_run --model "$d" --caps 8GB --budgets 4GB --stock-capped -n 8'
 run loader python bench/bench_loader.py --trials 5
+# the flags taken out of main or kept for memory (docs/flags.md): loader threads 1/2/4/8, a warm start below 100%, --kv-bits
+run loader_threads python bench/bench_loader_threads.py --trials 8 --experts 256
+run warm python bench/bench_warm.py --trials 6
+run kv_bits python bench/bench_kv_bits.py --contexts 5200 --tokens 16 --bits 8,4
 run telemetry python bench/bench_telemetry.py --trials 7
 run verify python bench/bench_verify.py
 run soak python bench/bench_soak.py --tokens 10000

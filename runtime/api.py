@@ -7,9 +7,9 @@
     print(r.stats.tokens_per_s, r.stats.hit_rate, r.stats.prefill.seconds)
     print(engine.totals().bytes_read, engine.plan.slots)
 
-`load` takes every engine setting (budget, drafter, one-sync decoding, I/O, memory limit, ...) and
+`load` takes every engine setting (budget, drafter, I/O, memory limit, ...) and
 opens the model with its routed experts paged from disk into a budgeted cache (and the drafter, if
-given); `stream_generate` takes the per-call settings (sampling, prompt cache, warm start) and
+given); `stream_generate` takes the per-call settings (sampling, prompt cache, KV bits) and
 yields one `GenerationResponse` per emitted token, plain or speculative, each carrying one
 `RunStats` (runtime/run_stats.py: decode-only rates, a prefill and a decode part, the drafter's
 part); `generate` returns the text. `Engine.totals()` gives the running totals since load
@@ -23,7 +23,7 @@ gives the resident model's tokens (lossless), and totals and the plan still coun
 passes (a full budget, or one_sync="on"; your loop's MoE layers each read their routing back, one
 sync per layer, which also stops mlx-lm's async pipelining of the next step), the repair of absent
 experts and the verify windows' early syncs, the warm start (a full budget's experts read up
-front, or `warm`), the memory limit's KV accounting (slots given back as the KV grows; prefill
+front), the memory limit's KV accounting (slots given back as the KV grows; prefill
 chunks sized to fit), the drafter (speculative decoding and its prefetch) and RunStats.
 Expert-major prefill, caching and the memory governor stay on: they live in the MoE layers and
 the cache.
@@ -61,8 +61,6 @@ class DraftSettings:
     predictor: str  # expert forecaster: none, previous, popularity, spmoe, oracle
     cutoff: int  # prefetch for the first `cutoff` MoE layers; the MoE layer count: all, 0: none
     projection: Path | None = None  # drafter->target projection file (spmoe); None: next to the target
-    max_prefetch_bytes: int | None = None  # cap on prefetch reads per round; None: the cache itself
-    adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
 
 
 @dataclass
@@ -76,7 +74,7 @@ class Engine:
     draft: DraftSettings | None = None  # speculative decoding when set
     notes: list[str] = field(default_factory=list)  # where settings came from (tuning.json, defaults)
     policy: str = DEFAULT_POLICY  # the expert cache's eviction policy
-    one_sync: str = "auto"  # decode steps and verify passes: "auto"/"on" one host sync per forward, "off" one per MoE layer
+    one_sync: str = "auto"  # how decode steps and verify passes sync (load's docstring); "on"/"off" for comparisons
     _draft_model: object = None
     _draft_config: dict | None = None
 
@@ -117,10 +115,8 @@ class GenerationResponse:
 def load(model: str | Path, budget: str = "auto", draft: str | Path | None = None, *, num_draft: int | None = None,
          predictor: str | None = None, cutoff: int | None = None, policy: str | None = None, threads: int = 4,
          io_mode: str = "buffered", verify: bool = True, memory_governor: bool = True,
-         projection: str | Path | None = None,
-         max_prefetch_bytes: int | None = None, telemetry: bool = True, inject: str = "",
-         memory_limit: str | None = "auto", context_tokens: int = 4096,
-         adaptive_k: bool = True, one_sync: str = "auto") -> Engine:
+         projection: str | Path | None = None, telemetry: bool = True, inject: str = "",
+         memory_limit: str | None = "auto", context_tokens: int = 4096, one_sync: str = "auto") -> Engine:
     """Open `model` (an mlx-lm checkpoint directory or a `specmoe convert` store) with its routed experts
     paged into a cache of `budget` ("6GB", "40%" or "auto"). With `draft`, generation is speculative;
     settings not given come from tuning.json for this model, drafter, budget and machine, else defaults
@@ -132,7 +128,8 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
     repaired when one was absent) while the budget holds every expert, else with one sync per MoE layer; verify
     windows look up on the device and sync early at the layers whose windows keep missing
     (runtime/decode/plain.py, window_routes.py; docs/flags.md). "on" (device passes at any budget) and "off" (one
-    sync per MoE layer at any budget) are for comparisons.
+    sync per MoE layer at any budget) are for comparisons (bench/bench_defaults.py; no command-line flag: neither
+    is faster than the default in bench/results/decode_defaults.txt). K follows acceptance (down to plain rounds).
     `telemetry` keeps per-round records (on by default, as `specmoe generate`); `inject` is a debugging aid: disk faults to inject (spec: storage/faults.py)."""
     if one_sync not in ONE_SYNC:
         raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
@@ -146,8 +143,7 @@ def load(model: str | Path, budget: str = "auto", draft: str | Path | None = Non
                                                                       predictor, cutoff, policy)
         if note:
             notes.append(note)
-        settings = DraftSettings(Path(draft), num_draft, predictor, cutoff,
-                                 Path(projection) if projection else None, max_prefetch_bytes, adaptive_k)
+        settings = DraftSettings(Path(draft), num_draft, predictor, cutoff, Path(projection) if projection else None)
     om = OffloadedModel.load(model, OffloadConfig(budget=budget, policy=policy or DEFAULT_POLICY, threads=threads,
                                                   io_mode=io_mode, verify_checksums=verify,
                                                   governor=GovernorConfig() if memory_governor else None,
@@ -191,9 +187,9 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
     detail.prefill says what it cost (tokens/s, bytes read, reads per routed expert). `prompt_cache`
     (runtime.decode.PromptCache, plain decoding only) keeps a conversation's KV cache and state: a
     prompt that extends what it holds prefills only the new tokens. `kv_bits` (plain decoding) quantizes the
-    KV cache as mlx-lm does. `warm`: a routing trace or expert-counts JSON to fill a partial cache from
-    before decoding (a full budget always is). `one_sync` is an engine setting (`load(one_sync=...)`);
-    given here, it overrides the engine's for this call."""
+    KV cache as mlx-lm does (from 5000 tokens on; lossy). A full budget reads every expert before decoding;
+    `warm="off"` starts from the cache as it is instead (e.g. to measure a cold start). `one_sync` is an engine
+    setting (`load(one_sync=...)`); given here, it overrides the engine's for this call."""
     om, tokenizer = engine.model, engine.tokenizer
     if isinstance(prompt, str):  # as mlx-lm: no second BOS when the prompt already starts with one
         bos = getattr(tokenizer, "bos_token", None)
@@ -207,6 +203,8 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
     one_sync = engine.one_sync if one_sync is None else one_sync
     if one_sync not in ONE_SYNC:
         raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
+    if warm not in (None, "off"):
+        raise ValueError(f"warm {warm!r}; expected None (a full budget reads every expert first) or 'off'")
     if seed is not None:
         mx.random.seed(seed)
     eos = set(tokenizer.eos_token_ids)
@@ -225,8 +223,7 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
                                       predictor=d.predictor, cutoff=d.cutoff, projection=d.projection, temp=temp,
                                       top_p=top_p, top_k=top_k, min_p=min_p, seed=0 if seed is None else seed, eos_ids=eos,
                                       draft_model=engine._draft_model, draft_config=engine._draft_config,
-                                      one_sync=one_sync, max_prefetch_bytes=d.max_prefetch_bytes,
-                                      adaptive_k=d.adaptive_k, warm=warm)
+                                      one_sync=one_sync, warm=warm)
         tokens = decoder.stream(ids, max_tokens, eos, progress=progress)
     try:
         yield from _responses(tokens, tokenizer, RunMeter(om, len(ids), prompt_cache), decoder, max_tokens, eos)

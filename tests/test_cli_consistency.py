@@ -28,7 +28,6 @@ SHARED = {  # long flag -> (all its flags, None or the set of allowed defaults)
     "--budget": (["--budget", "-b"], {opt.DEFAULT_BUDGET}),
     "--num-draft": (["--num-draft", "-k"], {None, opt.DEFAULT_NUM_DRAFT}),  # None: tuned, else the default
     "--max-tokens": (["--max-tokens", "-n"], {opt.DEFAULT_MAX_TOKENS}),  # other lengths have their own flags
-    "--threads": (["--threads"], {opt.DEFAULT_THREADS}),
     "--temp": (["--temp"], {0.0}),
     "--top-p": (["--top-p"], {1.0}),
     "--top-k": (["--top-k"], {0}),
@@ -75,8 +74,6 @@ def test_shared_flags_have_one_name_one_short_form_one_default():
                 assert p.opts[0] == "--model", path
     for path, command_ in COMMANDS:  # capped the same way wherever it is taken (one option factory)
         for p in command_.params:
-            if p.opts[0] == "--threads":
-                assert (p.min, p.max) == (1, opt.MAX_THREADS), path
             if p.opts[0] == "--max-tokens":
                 assert p.min == 1, path
     plan = dict(COMMANDS)[("plan",)]

@@ -32,8 +32,8 @@ def test_version_works_wherever_help_does(path):
 
 @pytest.mark.parametrize("args, needles", [
     (["generate", "-m", ".", "-p", "hi", "-n", "0"], ["'--max-tokens'", "greater than or equal to 1", "generate -h"]),
-    (["generate", "-m", ".", "-p", "hi", "--threads", "500"], ["'--threads'", "less than or equal to 64"]),
-    (["tune", "-m", ".", "--draft", ".", "--prompts", "p", "--threads", "500"], ["'--threads'", "64", "tune -h"]),
+    (["serve", "-m", ".", "--port", "70000"], ["'--port'", "less than or equal to 65535"]),
+    (["tune", "-m", ".", "--draft", ".", "--prompts", "p", "--measure-tokens", "0"], ["'--measure-tokens'", "1", "tune -h"]),
     (["generate", "-m", ".", "-p", "hi", "--top-p", "abc"], ["'--top-p'", "valid number"]),
     (["generate", "-p", "hi"], ["Missing option '--model'"]),
     (["generate", "--no-such-flag"], ["--no-such-flag"]),

@@ -261,39 +261,27 @@ def test_speculative_greedy_with_one_sync_verify_is_lossless(family, label, tiny
         om.close()
 
 
-def test_warm_start_fills_the_most_used_experts_and_refuses_a_bad_file(tiny_dirs, tmp_path):
-    import json
-
+def test_warm_start_reads_every_expert_at_a_full_budget_only(tiny_dirs, tmp_path):
+    """A full budget reads every expert before decoding; a partial one starts as it is; "off" is a cold start;
+    anything else (a file: the removed trace warm start) is refused with the values it takes."""
     from runtime.decode.warm import warm_keys, warm_start
 
-    om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="25%"))
-    try:
-        counts = {str(l): [float(e) for e in range(TINY["n_experts"])] for l in om.moe_layers}  # high ids most used
-        path = tmp_path / "counts.json"
-        path.write_text(json.dumps({"expert_counts": counts}))
-        assert warm_start(om, path) == sum(om.cache.n_slots(l) for l in om.moe_layers)
-        om.loader.drain()
-        for l in om.moe_layers:
-            n = om.cache.n_slots(l)
-            top = list(range(TINY["n_experts"] - n, TINY["n_experts"]))
-            assert not om.cache.table.layers[l].is_absent(top).any()
-        bad = tmp_path / "bad.json"
-        bad.write_text("{}")
-        with pytest.raises(ValueError, match="expert_counts"):
-            warm_start(om, bad)
-        # A tuning.json (`specmoe tune`): the entries made for this model count; another model's do not.
-        low = {str(l): [float(TINY["n_experts"] - e) for e in range(TINY["n_experts"])] for l in om.moe_layers}
-        mine, other = {"model": om.model_id()["digest"], "budget": "25%"}, {"model": "another", "budget": "25%"}
-        tuning = tmp_path / "tuning.json"
-        tuning.write_text(json.dumps({"version": 1, "entries": [{"key": other, "expert_counts": counts},
-                                                                 {"key": mine, "expert_counts": low}]}))
-        keys = warm_keys(om, tuning)
-        assert keys and all(k.expert < om.cache.n_slots(k.layer) for k in keys)  # low ids most used: this entry's
-        tuning.write_text(json.dumps({"version": 1, "entries": [{"key": other, "expert_counts": counts}]}))
-        with pytest.raises(ValueError, match="rerun specmoe tune"):
-            warm_keys(om, tuning)
-    finally:
-        om.close()
+    for budget, expected in (("100%", "all"), ("25%", "none")):
+        om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget=budget))
+        try:
+            every = len(om.moe_layers) * TINY["n_experts"]
+            assert warm_keys(om, "off") == []
+            if expected == "none":
+                assert warm_keys(om) == []
+                continue
+            assert warm_start(om) == every
+            om.loader.drain()
+            for l in om.moe_layers:
+                assert not om.cache.table.layers[l].is_absent(list(range(TINY["n_experts"]))).any()
+            with pytest.raises(ValueError, match="expected None .* or 'off'"):
+                warm_keys(om, str(tmp_path / "counts.json"))
+        finally:
+            om.close()
 
 
 def test_an_early_stop_releases_the_queued_forward(tiny_dirs):

@@ -1,5 +1,6 @@
 """`generate`, `chat` and `serve` take one set of engine flags (runtime/cli/engine_options.py): same names,
-defaults and help text in all three, and the same one-line errors for bad values."""
+defaults and help text in all three, and the same one-line errors for bad values. The decode levers taken out
+of main for want of a measured win (docs/flags.md, "Taken out of main") are no flag of any command."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import typer.main
 from runtime.cli.app import app
 from tests.conftest import run_cli
 
-ENGINE_FLAGS = ["--one-sync", "--io-mode", "--threads", "--memory-governor", "--memory-limit", "--kv-bits", "--seed",
+ENGINE_FLAGS = ["--io-mode", "--memory-governor", "--memory-limit", "--kv-bits", "--seed",
                 "--budget", "--draft", "--num-draft", "--predictor", "--cutoff", "--policy"]
+REMOVED = ["--one-sync", "--fixed-k", "--adaptive-k", "--warm", "--max-prefetch-mb", "--threads"]
+COMMANDS = {"generate": ["-p", "hi"], "chat": [], "serve": [], "tune": ["--draft", ".", "--prompts", "p"]}
 
 
 def _options(name: str) -> dict:
@@ -31,5 +34,17 @@ def test_bad_engine_flag_values_are_one_line_errors(tiny_qwen):
     for command in ("chat", "serve"):
         code, _, err = run_cli([command, "-m", str(tiny_qwen), "--kv-bits", "7"])
         assert code == 2 and err.strip() == "specmoe: error: --kv-bits 7; expected 4 or 8 (mlx-lm also takes 2, 3, 5, 6)"
-        code, _, err = run_cli([command, "-m", str(tiny_qwen), "--one-sync", "maybe"])
-        assert code == 2 and err.strip() == "specmoe: error: --one-sync 'maybe'; expected auto, on or off"
+
+
+def test_the_removed_decode_flags_are_refused_by_every_command(tiny_qwen):
+    """Each is a one-line usage error naming it (exit 2), and no --help lists it."""
+    for command, rest in COMMANDS.items():
+        names = {n for p in typer.main.get_command(app).commands[command].params if p.param_type_name == "option"
+                 for n in p.opts + p.secondary_opts}
+        assert not names & set(REMOVED), (command, names & set(REMOVED))
+        for flag in REMOVED:
+            value = [] if flag in ("--fixed-k", "--adaptive-k") else ["1"]
+            code, _, err = run_cli([command, "-m", str(tiny_qwen), *rest, flag, *value])
+            line = err.strip()  # click may add "(Possible options: ...)" for a near name
+            assert code == 2 and "\n" not in line and line.startswith(f"specmoe: error: No such option: {flag} ") \
+                and line.endswith(f"(see `specmoe {command} -h`)"), (command, flag, err)

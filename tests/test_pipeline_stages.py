@@ -204,7 +204,7 @@ class _OneRank:
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_pipeline_speculative_adapts_k_as_one_process_and_equals_plain(packed_dirs, tmp_path, adaptive):
     """An untrained drafter is rarely accepted: adaptive K (runtime.decode.DraftLength, as single-process
-    speculative decoding) falls back to plain rounds (K=0) with probes; --fixed-k keeps K. Same greedy tokens."""
+    speculative decoding) falls back to plain rounds (K=0) with probes; a fixed K (SpecConfig) keeps K. Same greedy tokens."""
     from runtime.checkpoints.tiny import make_tiny
     from runtime.decode import SpecConfig, load_drafter, make_drafter
     from runtime.pipeline import PipelineDriver, PipelineSpeculative, generate_plain, pipeline_predictor

@@ -52,7 +52,6 @@ def test_drafter_with_another_tokenizer(tiny_dirs, drafter_dir, tmp_path):
     (["--num-draft", "0"], "--num-draft 0"),
     (["--cutoff", "99"], "--cutoff 99 is beyond the model's 3 MoE layers"),
     (["--predictor", "psychic"], "--predictor 'psychic'"),
-    (["--one-sync", "maybe"], "--one-sync 'maybe'; expected auto, on or off"),
 ])
 def test_bad_speculative_flags(tiny_dirs, drafter_dir, args, needle):
     code, _, err = run_cli(["generate", "-m", str(tiny_dirs["qwen3_moe"]), "-p", "hi", "--draft", str(drafter_dir), *args])

@@ -88,9 +88,7 @@ def register(app: typer.Typer) -> None:
         predictor: str = opt.predictor_option(),
         cutoff: int = opt.cutoff_option(),
         policy: str = opt.policy_option(),
-        one_sync: str = eo.one_sync_option(),
         io_mode: str = eo.io_mode_option(),
-        threads: int = eo.threads_option(),
         governor: bool = eo.governor_option(),
         memory_limit: str = eo.memory_limit_option(),
         kv_bits: int = eo.kv_bits_option(),
@@ -98,13 +96,12 @@ def register(app: typer.Typer) -> None:
         """Chat with the model: multi-turn, streaming, the prompt cache reused across turns."""
         from runtime.serve import Backend, ChatSession
 
-        eo.check_one_sync(one_sync)
         engine = eo.load_engine(model, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
-                                cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor,
-                                memory_limit=memory_limit, kv_bits=kv_bits, one_sync=one_sync)
+                                cutoff=cutoff, policy=policy, io_mode=io_mode, governor=governor,
+                                memory_limit=memory_limit, kv_bits=kv_bits)
         try:
             sampling = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-            backend = Backend(engine, one_sync=one_sync, prompt_cache_size=1, kv_bits=kv_bits)
+            backend = Backend(engine, prompt_cache_size=1, kv_bits=kv_bits)
             session = ChatSession(backend, sampling, system_prompt)
             run_repl(session, iter(sys.stdin.readline, ""), sys.stdout)
         finally:

@@ -1,8 +1,9 @@
 """The engine flags `generate`, `chat` and `serve` share, and loading the engine for the long-running ones.
 
-One factory per flag (`--one-sync`, `--io-mode`, `--threads`, `--memory-governor`, `--memory-limit`,
-`--kv-bits`), so the three commands take the same name, default and help text; the sampling flags
-(`--temp`, `--seed`, ...) live in runtime.cli.options with the rest of mlx-lm's names.
+One factory per flag (`--io-mode`, `--memory-governor`, `--memory-limit`, `--kv-bits`), so the three
+commands take the same name, default and help text; the sampling flags (`--temp`, `--seed`, ...) live in
+runtime.cli.options with the rest of mlx-lm's names. Engine settings without a flag keep runtime.api.load's
+defaults: decoding as `one_sync="auto"`, DEFAULT_THREADS loader threads (docs/flags.md says why).
 
 Invariants: a bad value is a ValueError naming the flag and what it takes (the CLI prints one line,
 exit 2); `--kv-bits` with `--draft` is refused before anything loads; `load_engine` prints the budget
@@ -17,9 +18,8 @@ import typer
 
 from runtime.observe import err_console
 
-__all__ = ["load_engine", "one_sync_option", "io_mode_option", "threads_option", "governor_option",
-           "memory_limit_option", "kv_bits_option", "check_one_sync", "check_kv_bits", "memory_limit_value",
-           "KV_BITS_WITH_DRAFT"]
+__all__ = ["load_engine", "io_mode_option", "governor_option", "memory_limit_option", "kv_bits_option",
+           "check_kv_bits", "memory_limit_value", "KV_BITS_WITH_DRAFT"]
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # mlx-lm's quantized KV cache widths
 KV_BITS_WITH_DRAFT = ("--kv-bits with --draft: the speculative decoder keeps its KV caches unquantized (quantizing them "
@@ -27,21 +27,10 @@ KV_BITS_WITH_DRAFT = ("--kv-bits with --draft: the speculative decoder keeps its
                       "--kv-bits")
 
 
-def one_sync_option():
-    return typer.Option("auto", "--one-sync",
-                        help="auto (default): one host sync per token while the budget holds every expert "
-                             "(device lookups, repaired when one was absent), else one sync per MoE layer; "
-                             "on/off force the device pass or per-layer syncs (for comparisons; docs/flags.md).")
-
-
 def io_mode_option():
-    return typer.Option("buffered", "--io-mode", help="buffered (page cache) or direct (O_DIRECT/F_NOCACHE).")
-
-
-def threads_option():
-    from runtime.cli.options import threads_option as shared  # one factory: tune takes it too
-
-    return shared()
+    return typer.Option("buffered", "--io-mode",
+                        help="buffered (through the page cache) or direct (O_DIRECT/F_NOCACHE: reads bypass the page "
+                             "cache, so paged experts are not held in RAM twice; docs/flags.md).")
 
 
 def governor_option():
@@ -57,13 +46,9 @@ def memory_limit_option():
 
 
 def kv_bits_option():
-    return typer.Option(None, "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (mlx-lm's kv_bits; plain decoding).")
-
-
-def check_one_sync(value: str) -> str:
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"--one-sync {value!r}; expected auto, on or off")
-    return value
+    return typer.Option(None, "--kv-bits",
+                        help="Quantize the KV cache to 4 or 8 bits from its 5000th token on, as mlx-lm's kv_bits "
+                             "(plain decoding): less memory at long contexts, lossy (greedy tokens may change).")
 
 
 def check_kv_bits(kv_bits: int | None, draft) -> int | None:
@@ -81,8 +66,8 @@ def memory_limit_value(value: str) -> str | None:
 
 def load_engine(model: Path, *, budget: str, draft: Path | None, num_draft: int | None = None,
                 predictor: str | None = None, cutoff: int | None = None, policy: str | None = None,
-                io_mode: str = "buffered", threads: int = 4, governor: bool = True, memory_limit: str = "auto",
-                kv_bits: int | None = None, adaptive_k: bool = True, one_sync: str = "auto"):
+                io_mode: str = "buffered", governor: bool = True, memory_limit: str = "auto",
+                kv_bits: int | None = None):
     """runtime.api.load with the CLI's checks; prints the budget plan and where settings came from."""
     from runtime import load
     from runtime.cli.generate import describe_plan
@@ -91,8 +76,7 @@ def load_engine(model: Path, *, budget: str, draft: Path | None, num_draft: int 
         raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
     check_kv_bits(kv_bits, draft)
     engine = load(model, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff,
-                  policy=policy, threads=threads, io_mode=io_mode, memory_governor=governor,
-                  memory_limit=memory_limit_value(memory_limit), adaptive_k=adaptive_k, one_sync=check_one_sync(one_sync))
+                  policy=policy, io_mode=io_mode, memory_governor=governor, memory_limit=memory_limit_value(memory_limit))
     for note in engine.notes:
         err_console.print(note, highlight=False)
     err_console.print(describe_plan(engine.model), highlight=False)

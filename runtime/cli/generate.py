@@ -111,19 +111,11 @@ def register(app: typer.Typer) -> None:
         seed: int = opt.seed_option(),
         draft: Path = opt.draft_option(),
         num_draft: int = opt.num_draft_option(),
-        adaptive_k: bool = opt.adaptive_k_option(),
         predictor: str = opt.predictor_option(),
         cutoff: int = opt.cutoff_option(),
         projection: Path = typer.Option(None, "--projection", help="Projection file from `specmoe calibrate` (default: looked up next to the model)."),
-        max_prefetch_mb: float = typer.Option(None, "--max-prefetch-mb", help="Cap on prefetch reads per round."),
-        one_sync: str = eo.one_sync_option(),
-        warm: Path = typer.Option(None, "--warm", help="Warm start below a full budget: fill the cache before decoding with "
-                                                        "the most used experts of a routing trace (.smtrace), the model's "
-                                                        "tuning.json (`specmoe tune`) or a JSON of expert_counts (a full "
-                                                        "budget always reads every expert first)."),
         policy: str = opt.policy_option(),
         io_mode: str = eo.io_mode_option(),
-        threads: int = opt.threads_option(),
         verify: bool = typer.Option(True, "--verify/--no-verify", help="Check each packed record's CRC32 after reading it."),
         chat: bool = typer.Option(True, "--chat/--raw-prompt", help="Apply the tokenizer's chat template if it has one."),
         json_path: Path = opt.json_option("Write the text and stats as JSON to this path."),
@@ -151,17 +143,12 @@ def register(app: typer.Typer) -> None:
         prompt = opt.read_prompt(prompt)
         if num_draft is not None and num_draft < 1:
             raise ValueError(f"--num-draft {num_draft}; expected K >= 1")
-        eo.check_one_sync(one_sync)
         eo.check_kv_bits(kv_bits, None)  # with --draft: SPECULATIVE_REFUSAL below
         if draft is not None and (prompt_cache_file is not None or kv_bits is not None):
             raise ValueError(SPECULATIVE_REFUSAL["--prompt-cache" if prompt_cache_file is not None else "--kv-bits"])
-        if warm is not None and not warm.is_file():
-            raise ValueError(f"--warm {warm}: no such file; expected a routing trace (.smtrace) or a JSON of expert_counts")
         engine = load(model, budget, draft, num_draft=num_draft, predictor=predictor, cutoff=cutoff, policy=policy,
-                      threads=threads, io_mode=io_mode, verify=verify, memory_governor=governor,
-                      projection=projection,
-                      max_prefetch_bytes=None if max_prefetch_mb is None else int(max_prefetch_mb * 1e6),
-                      inject=inject or "", adaptive_k=adaptive_k, memory_limit=eo.memory_limit_value(memory_limit))
+                      io_mode=io_mode, verify=verify, memory_governor=governor, projection=projection,
+                      inject=inject or "", memory_limit=eo.memory_limit_value(memory_limit))
         with engine:
             om = engine.model
             for note in engine.notes:
@@ -175,9 +162,8 @@ def register(app: typer.Typer) -> None:
             if prompt_cache_file is not None:
                 pc, ids = open_prompt_cache(prompt_cache_file, om, ids, speculative=engine.draft is not None)
             for r in stream_generate(engine, ids, max_tokens, temp=temp, top_p=top_p,
-                                     top_k=top_k, min_p=min_p, seed=seed, one_sync=one_sync,
-                                     progress=PrefillProgress(len(ids)), prompt_cache=pc, kv_bits=kv_bits,
-                                     warm=None if warm is None else str(warm)):
+                                     top_k=top_k, min_p=min_p, seed=seed,
+                                     progress=PrefillProgress(len(ids)), prompt_cache=pc, kv_bits=kv_bits):
                 tokens.append(r.token)
                 sys.stdout.write(r.text)
                 sys.stdout.flush()

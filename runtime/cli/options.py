@@ -22,16 +22,16 @@ __all__ = [
     "DEFAULT_BUDGET", "DEMO_BUDGET", "DEFAULT_MAX_TOKENS", "DEFAULT_NUM_DRAFT", "DEFAULT_SEED", "model_option", "draft_option",
     "budget_option", "max_tokens_option", "temp_option", "top_p_option", "top_k_option", "min_p_option",
     "seed_option", "num_draft_option", "prompt_option", "system_prompt_option", "json_option", "read_prompt",
-    "resolve_draft", "adaptive_k_option", "pipeline_option", "pipeline_split_option", "pipeline_timeout_option",
-    "DEFAULT_THREADS", "MAX_THREADS", "threads_option", "MEASURE_TOKENS", "measure_tokens_option",
+    "resolve_draft", "pipeline_option", "pipeline_split_option", "pipeline_timeout_option",
+    "DEFAULT_THREADS", "MEASURE_TOKENS", "measure_tokens_option",
 ]
 
 DEFAULT_BUDGET = "auto"  # what RAM allows; every command that pages experts (demo: 40%, to show paging)
 DEMO_BUDGET = "40%"
 DEFAULT_MAX_TOKENS = 100  # mlx_lm.generate's default; every command's -n/--max-tokens
 MEASURE_TOKENS = 32  # tune/sweep: tokens per prompt of one measured setting (a grid of short runs; its own flag)
-DEFAULT_THREADS = 4  # loader I/O threads (storage.LoaderConfig's default)
-MAX_THREADS = 64
+DEFAULT_THREADS = 4  # loader I/O threads (storage.LoaderConfig's default; no flag: 1, 2 and 8 read within the noise
+# of 4, bench/results/loader_threads.txt)
 DEFAULT_NUM_DRAFT = 3  # mlx-lm's --num-draft-tokens default; also the tuner's fallback (runtime/tune/settings.py)
 DEFAULT_SEED = 0  # reproducible by default (mlx-lm: unseeded)
 
@@ -81,10 +81,6 @@ def measure_tokens_option():
                         help="Tokens to generate per prompt for each measured setting (short runs keep a grid fast).")
 
 
-def threads_option():
-    return typer.Option(DEFAULT_THREADS, "--threads", min=1, max=MAX_THREADS, help="Loader I/O threads.")
-
-
 def temp_option():
     return typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature; 0 is greedy.")
 
@@ -123,12 +119,6 @@ def cutoff_option():
 def policy_option():
     return typer.Option(None, "--policy", help="Cache eviction policy: dlfu (decayed LFU), lfu or lru "
                                                "(default: tuned, else dlfu).")
-
-
-def adaptive_k_option():
-    return typer.Option(True, "--adaptive-k/--fixed-k",
-                        help="Lower K round by round while drafts are rejected, down to plain decoding (K=0) with "
-                             "periodic probes; --fixed-k always proposes K.")
 
 
 def pipeline_option(command: str):

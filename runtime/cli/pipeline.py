@@ -1,9 +1,8 @@
 """`specmoe generate --pipeline` and `specmoe serve --pipeline`: the flags turned into a PipelineRun on every rank.
 
 Invariant: flags mean the same as without --pipeline, except --budget, which is per rank
-(a share is of that rank's expert bytes), the predictors, which are spmoe or none, and
---one-sync, which is per stage (auto/on: each rank's window is one device pass; off: a host
-sync per MoE layer).
+(a share is of that rank's expert bytes), and the predictors, which are spmoe or none. Each
+rank's window runs as one device pass (StageConfig's default; its synced path is for comparisons).
 """
 
 from __future__ import annotations
@@ -29,22 +28,16 @@ def pipeline_run(opts: dict):
             err_console.print(note, highlight=False)
     split = parse_split(opts["pipeline_split"])
     opts = {"prompt": "", "seed": 0, "chat": True, "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "projection": None,
-            "forecast_k": None, "max_prefetch_mb": None, "adaptive_k": True, "pipeline_fault": None, "json_path": None,
-            "verify": True, **opts}
-    max_mb = opts["max_prefetch_mb"]
+            "forecast_k": None, "pipeline_fault": None, "json_path": None, "verify": True, **opts}
     return PipelineRun(
         model=opts["model"], prompt=opts["prompt"], max_tokens=opts["max_tokens"], temp=opts["temp"], top_p=opts["top_p"],
         top_k=opts["top_k"], min_p=opts["min_p"], seed=opts["seed"], chat=opts["chat"], draft=opts["draft"],
         num_draft=num_draft or 4, predictor=predictor or "spmoe",
         cutoff=cutoff, projection=opts["projection"], forecast_k=opts["forecast_k"],
-        max_prefetch_bytes=None if max_mb is None else int(max_mb * 1e6),
-        stage=StageConfig(budget=opts["budget"], policy=policy or "lru", threads=opts["threads"], io_mode=opts["io_mode"],
+        stage=StageConfig(budget=opts["budget"], policy=policy or "lru", io_mode=opts["io_mode"],
                           verify_checksums=opts["verify"], split=tuple(split) if split else None,
-                          routers=opts["draft"] is not None and (predictor or "spmoe") == "spmoe",
-                          one_sync=opts.get("one_sync", "auto") != "off",
-                          route_windows=opts.get("one_sync", "auto") == "auto"),
-        adaptive_k=opts["adaptive_k"], timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"],
-        json_path=opts["json_path"])
+                          routers=opts["draft"] is not None and (predictor or "spmoe") == "spmoe"),
+        timeout_s=opts["pipeline_timeout"], fault=opts["pipeline_fault"], json_path=opts["json_path"])
 
 
 def generate_pipeline(opts: dict) -> int:

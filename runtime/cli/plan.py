@@ -105,7 +105,7 @@ def build_plan(
     `cost_model` "v2" prices host syncs, command buffers, layer time and repairs from the engine's
     counts (runtime/plan/engine_costs.py); "v1" is the single fitted per-layer constant. `measured`
     (from `measured_from_doctor`) replaces assumed inputs with what `specmoe doctor` measured; `one_sync`
-    prices the engine's `--one-sync` mode (the default, auto, is what a plan is for)."""
+    prices the engine's `one_sync` mode (runtime.api.load's; the default, auto, is what a plan is for)."""
     if cost_model not in ("v1", "v2"):
         raise ValueError(f"--cost-model must be v1 or v2, got {cost_model!r}")
     measured = dict(measured or {})

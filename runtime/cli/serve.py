@@ -48,9 +48,7 @@ def register(app: typer.Typer) -> None:
         prompt_cache_size: int = typer.Option(2, "--prompt-cache-size", min=1,
                                               help="Conversations whose KV cache is kept for reuse (plain "
                                                    "decoding; each holds its context's KV)."),
-        one_sync: str = eo.one_sync_option(),
         io_mode: str = eo.io_mode_option(),
-        threads: int = eo.threads_option(),
         governor: bool = eo.governor_option(),
         memory_limit: str = eo.memory_limit_option(),
         kv_bits: int = eo.kv_bits_option(),
@@ -85,12 +83,10 @@ def register(app: typer.Typer) -> None:
         pipeline: bool = opt.pipeline_option("serve"),
         pipeline_split: str = opt.pipeline_split_option(),
         pipeline_timeout: float = opt.pipeline_timeout_option(),
-        adaptive_k: bool = opt.adaptive_k_option(),
     ):
         """Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (chat, messages, tools, streaming)."""
         from runtime.serve import RequestLimits, SamplingDefaults, ServeConfig, bind, run_server
 
-        eo.check_one_sync(one_sync)
         eo.check_kv_bits(kv_bits, draft)
         if log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"--log-level {log_level!r}; expected critical, error, warning, info or debug")
@@ -99,7 +95,7 @@ def register(app: typer.Typer) -> None:
         limits = RequestLimits(max_body_bytes=max_body_bytes, body_timeout_s=body_timeout, max_queue=max_queue,
                                request_timeout_s=request_timeout, max_connections=max_connections)
         settings = dict(model_ref=model, model_path=path, host=host, port=port, defaults=defaults,
-                        max_prompt_tokens=max_prompt_tokens, one_sync=one_sync, log_level=log_level,
+                        max_prompt_tokens=max_prompt_tokens, log_level=log_level,
                         prompt_cache_size=prompt_cache_size, cors_origins=tuple(cors_origin or ()),
                         api_key=api_key or None, limits=limits, kv_bits=kv_bits, seed=seed,
                         max_batch=max_batch)
@@ -107,10 +103,9 @@ def register(app: typer.Typer) -> None:
             from runtime.cli.pipeline import serve_pipeline
 
             config = ServeConfig(**settings)
-            return serve_pipeline({**locals(), "model": path, "verify": True, "max_prefetch_mb": None}, config)
+            return serve_pipeline({**locals(), "model": path, "verify": True}, config)
         config = ServeConfig(**settings, sock=bind(host, port))  # before loading: a busy port fails in a second
         engine = eo.load_engine(path, budget=budget, draft=draft, num_draft=num_draft, predictor=predictor,
-                                cutoff=cutoff, policy=policy, io_mode=io_mode, threads=threads, governor=governor,
-                                memory_limit=memory_limit, kv_bits=kv_bits, adaptive_k=adaptive_k,
-                                one_sync=one_sync)
+                                cutoff=cutoff, policy=policy, io_mode=io_mode, governor=governor,
+                                memory_limit=memory_limit, kv_bits=kv_bits)
         run_server(engine, config, log=lambda line: err_console.print(line, highlight=False, markup=False))

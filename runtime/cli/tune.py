@@ -191,7 +191,6 @@ def register(app: typer.Typer) -> None:
         budget: str = opt.budget_option(),
         max_tokens: int = opt.measure_tokens_option(),
         io_mode: str = typer.Option("buffered", "--io-mode", help=_IO_HELP),
-        threads: int = opt.threads_option(),
         json_path: Path = opt.json_option("Also write every measurement and the choice as JSON to this path."),
         inject: str = typer.Option(None, "--inject", hidden=True,
                                    help="Debug: inject disk latency/faults in every run (spec: storage/faults.py)."),
@@ -200,5 +199,5 @@ def register(app: typer.Typer) -> None:
         next to the model."""
         from runtime.tune import run_tune
 
-        run_tune(model, draft, prompts, budget=budget, max_tokens=max_tokens, io_mode=io_mode, threads=threads,
+        run_tune(model, draft, prompts, budget=budget, max_tokens=max_tokens, io_mode=io_mode, threads=opt.DEFAULT_THREADS,
                  json_path=json_path, table=_measure_table, inject=inject or "")

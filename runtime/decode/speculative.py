@@ -60,7 +60,6 @@ from storage import ExpertKey
 class SpecConfig:
     num_draft: int = 4  # K: tokens proposed per round
     cutoff: int | None = None  # prefetch for the first `cutoff` MoE layers; None: all, 0: none
-    max_prefetch_bytes: int | None = None  # per round; None: no cap beyond the cache itself
     temp: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # mlx-lm's sampler filters (0: off); the target's distribution keeps them
@@ -112,7 +111,6 @@ class SpeculativeDecoder:
         self._forecast = ExpertForecast.empty()
         self._queued: set[ExpertKey] = set()
         self._queued_ids: dict[int, set[int]] = {}  # the same, per layer: expert ids
-        self._round_bytes = 0
         self._pass = DevicePass(target) if cfg.one_sync != "off" else None
         self._route = cfg.route == "auto" and cfg.one_sync == "auto"  # "on": one sync and repairs, never routed
         if self._pass is not None:  # layers whose windows keep missing sync before their experts (window_routes.py)
@@ -134,14 +132,12 @@ class SpeculativeDecoder:
         if not new:
             return
         self._queued.update(new)
-        cap = None if self.cfg.max_prefetch_bytes is None else self.cfg.max_prefetch_bytes - self._round_bytes
-        queued = self.target.cache.prefetch(new, self._round, cap)
-        self._round_bytes += queued
+        queued = self.target.cache.prefetch(new, self._round)  # bounded by the cache's free slots
         self.stats.prefetch_bytes_queued += queued
 
     def _draft(self, k: int):
         t0 = time.perf_counter()
-        self._forecast, self._queued, self._queued_ids, self._round_bytes = ExpertForecast.empty(), set(), {}, 0
+        self._forecast, self._queued, self._queued_ids = ExpertForecast.empty(), set(), {}
         prepare = getattr(self.predictor, "prepare", None) if self.forecast_layers else None
         draft = self.drafter.propose(k, sampling=self.cfg.sampling, rng=self.rng, on_step=self._forecast_and_prefetch,
                                      on_taps=None if prepare is None else (lambda taps: prepare(taps, self.forecast_layers)))

@@ -18,7 +18,7 @@ from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
 
 def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_tokens: int, num_draft: int, predictor: str,
                         cutoff: int | None, projection: Path | None = None, temp: float = 0.0, top_p: float = 1.0,
-                        top_k: int = 0, min_p: float = 0.0, seed: int = 0, eos_ids=(), max_prefetch_bytes: int | None = None, draft_model=None,
+                        top_k: int = 0, min_p: float = 0.0, seed: int = 0, eos_ids=(), draft_model=None,
                         draft_config=None, one_sync: str = "auto", forecast_limit: int | None = None,
                         adaptive_k: bool = True, warm: str | None = None, route: str = "auto") -> SpeculativeDecoder:
     """A SpeculativeDecoder for `om` and the drafter in `draft_dir` (or `draft_model`), ready to stream.
@@ -28,7 +28,7 @@ def speculative_decoder(om, draft_dir: Path, ids: list[int] | None, *, max_token
     if draft_model is None:
         draft_model, draft_config = load_drafter(draft_dir, om)
     cfg = SpecConfig(num_draft=num_draft, cutoff=cutoff, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                     max_prefetch_bytes=max_prefetch_bytes, one_sync=one_sync, adaptive_k=adaptive_k, warm=warm,
+                     one_sync=one_sync, adaptive_k=adaptive_k, warm=warm,
                      route=route)
     recording = None
     if predictor == "oracle":

@@ -101,13 +101,13 @@ class PipelineDriver:
             self.ch.send(Message(HEARTBEAT))
             self.last_send = time.monotonic()
 
-    def forecast(self, keys: list[ExpertKey], round_id: int, max_bytes: int | None = None) -> int:
+    def forecast(self, keys: list[ExpertKey], round_id: int) -> int:
         """Queue `keys` on the loader of the rank owning each layer; bytes queued on rank 0."""
         local = [k for k in keys if k.layer in self.stage.layer_ids]
         remote = [(k.layer, k.expert) for k in keys if k.layer not in self.stage.layer_ids]
         queued = 0
         if local and self.stage.cache is not None:
-            queued = self.stage.cache.prefetch(local, round_id, max_bytes)
+            queued = self.stage.cache.prefetch(local, round_id)
             self.timer.n_forecast_keys += len(local)
             self.timer.prefetch_bytes_queued += queued
         if remote and self.ch.size > 1:

@@ -49,9 +49,7 @@ class PipelineRun:
     cutoff: int | None = None
     projection: Path | None = None
     forecast_k: int | None = None
-    max_prefetch_bytes: int | None = None
     stage: StageConfig = StageConfig()
-    adaptive_k: bool = True  # --adaptive-k/--fixed-k: K per round from acceptance (as one process), or always num_draft
     timeout_s: float = 300.0  # --pipeline-timeout: the longest wait for any message
     fault: str | None = None  # --pipeline-fault (debug): die:RANK:WINDOW or hang:RANK:WINDOW
     json_path: Path | None = None  # rank 0 writes tokens, text and every rank's report here
@@ -197,8 +195,7 @@ def _rank0(run: PipelineRun, stage, draft, ch: Channel, write) -> int:
                                        forecast_k=run.forecast_k)
         drafter = make_drafter(draft_model, run.predictor if run.cutoff != 0 else "none")
         cfg = SpecConfig(num_draft=run.num_draft, cutoff=run.cutoff, temp=run.temp, top_p=run.top_p, top_k=run.top_k,
-                         min_p=run.min_p, seed=run.seed,
-                         max_prefetch_bytes=run.max_prefetch_bytes, adaptive_k=run.adaptive_k)
+                         min_p=run.min_p, seed=run.seed)
         try:
             tokens, stats = PipelineSpeculative(driver, drafter, predictor, cfg).generate(ids, run.max_tokens, eos, show)
         finally:

@@ -126,7 +126,7 @@ class PipelineBackend(Backend):
         run = self.run
         drafter = make_drafter(self.draft[0], run.predictor if run.cutoff != 0 else "none")
         cfg = SpecConfig(num_draft=run.num_draft, cutoff=run.cutoff, temp=request.temperature, top_p=request.top_p,
-                         top_k=request.top_k, min_p=request.min_p, seed=seed, max_prefetch_bytes=run.max_prefetch_bytes, adaptive_k=run.adaptive_k)
+                         top_k=request.top_k, min_p=request.min_p, seed=seed)
         spec = PipelineSpeculative(self.driver, drafter, self.predictor, cfg)
         return spec.stream(ids, request.max_tokens, self.eos, stats), drafter, 0
 
@@ -183,7 +183,7 @@ class PipelineBackend(Backend):
                            "how": "per stage: 1 per device-pass window + 1 per repair (+ synced layer calls); "
                                   "synced path: 1 per MoE layer + 1"},
             "speculative": None if self.draft is None else {"num_draft": self.run.num_draft, "predictor": self.run.predictor,
-                                                            "adaptive_k": self.run.adaptive_k},
+                                                            "adaptive_k": True},
             "memory": self.stage.memory(),
             "last_request": None if last is None else last.to_json(),
         }

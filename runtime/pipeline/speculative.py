@@ -1,8 +1,8 @@
 """Speculative decoding through the pipeline (rank 0): draft, forecast, prefetch, verify, accept, rewind.
 
 One round, with K from adaptive K (runtime.decode.DraftLength, as single-process speculative
-decoding: K follows acceptance, down to K = 0 plain rounds with probes; --fixed-k: always
-num_draft) and the verify window W = [p, d_1 .. d_K]:
+decoding: K follows acceptance, down to K = 0 plain rounds with probes; SpecConfig(adaptive_k=False):
+always num_draft, for tests) and the verify window W = [p, d_1 .. d_K]:
 - draft + forecast: the drafter (on rank 0) proposes d_1..d_K; after each of its steps
   the predictor forecasts the experts W will need in every prefetched MoE layer, and
 - prefetch: each new forecast key goes to the rank owning its layer -- rank 0's own
@@ -93,7 +93,7 @@ class PipelineSpeculative:
                if k not in self._queued]
         if new:
             self._queued.update(new)
-            self.driver.forecast(new, self._round, self.cfg.max_prefetch_bytes)
+            self.driver.forecast(new, self._round)
 
     def _accept(self, tokens: list[int], q, logits: mx.array) -> tuple[int, int]:
         if self.cfg.temp == 0:

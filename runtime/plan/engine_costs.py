@@ -9,7 +9,7 @@ from one fitted per-layer number:
                                                            small-kernel time the byte roofline misses)
     repairs  = repairs per forward x (sync_us + repair_fraction x the forward's compute)
 
-The counts follow the budget as the engine's code does (`--one-sync auto`, docs/flags.md): with every
+The counts follow the budget as the engine's code does (its default, `one_sync="auto"`, docs/flags.md): with every
 expert of every MoE layer cached, a forward is one device pass (one host sync, plus one per repair);
 below that, a one-token decode forward syncs once per MoE layer plus once for the token
 (`partial_syncs_per_layer`), and a verify window stays a device pass whose layers that keep missing
@@ -48,7 +48,7 @@ DEFAULT_LAYER_US = 693.0
 
 @dataclass(frozen=True)
 class EngineProfile:
-    name: str  # e.g. "specmoe (--one-sync auto)"
+    name: str  # e.g. "specmoe (one_sync auto)"
     syncs_per_forward: float = 1.0  # host syncs of one forward whatever its depth (token read-back)
     syncs_per_layer: float = 0.0  # more host syncs per MoE layer per forward (per-layer routing read-back)
     command_buffers_per_layer: float = 2.0  # command-buffer boundaries per MoE layer per forward
@@ -115,7 +115,7 @@ ONE_SYNC_SYNCS = {
 
 def specmoe_engine(*, fast_synch: bool = False, repairs_per_token: float | None = None,
                    layer_us: float = DEFAULT_LAYER_US, one_sync: str = "auto") -> EngineProfile:
-    """This project's engine under `--one-sync` (default auto): at a full budget one host sync per forward
+    """This project's engine under `one_sync` (runtime.api.load's; default auto): at a full budget one host sync per forward
     plus one per repair (the expert lookup runs on the device); below it one sync per MoE layer plus one
     for the token, and verify windows as device passes that sync the routing of the layers that keep
     missing. "on" prices device passes at every budget, "off" per-layer syncs at every budget."""
@@ -128,12 +128,12 @@ def specmoe_engine(*, fast_synch: bool = False, repairs_per_token: float | None 
         f"layer time {layer_us:.0f} us per MoE layer: fitted to 27 published runs of five engine kinds "
         "(leave-one-out median error 35%, 28% for one-graph engines; docs/planner.md)",
         "repair re-runs half a forward (first missing layer uniform over depth)",
-        f"host syncs as --one-sync {one_sync}: {ONE_SYNC_SYNCS[one_sync]}",
+        f"host syncs as one_sync {one_sync}: {ONE_SYNC_SYNCS[one_sync]}",
     ]
     if repairs_per_token is None:
         assumed.append("repairs per forward: one per forward with any absent expert (not measured)")
     return EngineProfile(
-        name=f"specmoe (--one-sync {one_sync})", syncs_per_forward=1.0, syncs_per_layer=float(one_sync == "off"),
+        name=f"specmoe (one_sync {one_sync})", syncs_per_forward=1.0, syncs_per_layer=float(one_sync == "off"),
         command_buffers_per_layer=2.0, repairs_per_token=repairs_per_token, repair_fraction=0.5,
         sync_us=MLX_FAST_SYNCH_US if fast_synch else MLX_DEFAULT_FENCE_US, layer_us=layer_us,
         partial_syncs_per_layer=1.0 if one_sync == "auto" else None, routed_windows=one_sync == "auto",

@@ -50,11 +50,10 @@ class Piece:
 
 
 class Backend:
-    def __init__(self, engine, *, one_sync: str = "auto", chat_template_args: dict | None = None,
+    def __init__(self, engine, *, chat_template_args: dict | None = None,
                  prompt_cache_size: int = 2, kv_bits: int | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.one_sync = one_sync
         self.kv_bits = kv_bits  # --kv-bits: quantized KV cache (plain decoding)
         self.chat_template_args = dict(chat_template_args or {})
         self.started = time.time()
@@ -165,7 +164,7 @@ class Backend:
         try:
             for last in stream_generate(self.engine, ids, request.max_tokens, temp=request.temperature,
                                         top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
-                                        seed=request.seed, one_sync=self.one_sync, **extra):
+                                        seed=request.seed, **extra):  # decoding as the engine was loaded
                 if self.pool is not None and cached is None:
                     cached = cache.reused  # set by the prefill, before the first token
                 yield Piece(last.text, last.token, last.finish_reason, last.stats, cached)

@@ -34,7 +34,6 @@ class ServeConfig:
     port: int = 8080
     defaults: SamplingDefaults = SamplingDefaults()
     max_prompt_tokens: int | None = None  # None: the model's context length
-    one_sync: str = "auto"
     log_level: str = "warning"
     prompt_cache_size: int = 2  # conversations whose KV is kept (plain decoding)
     cors_origins: tuple[str, ...] = ()  # --cors-origin: browser origins allowed (default none)
@@ -101,7 +100,7 @@ def run_server(engine, config: ServeConfig, log=print) -> None:
         import mlx.core as mx
 
         mx.random.seed(config.seed)
-    backend = Backend(engine, one_sync=config.one_sync, prompt_cache_size=config.prompt_cache_size,
+    backend = Backend(engine, prompt_cache_size=config.prompt_cache_size,
                       kv_bits=config.kv_bits)
     serve_backend(backend, config, engine.model.config, log, close=engine.close)
 

@@ -11,8 +11,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from runtime.decode import load_drafter
 from runtime.decode import OffloadConfig, OffloadedModel
 from runtime.decode import run_speculative
@@ -42,21 +40,8 @@ class SettingRunner:
             self.expert_bytes = probe.store.layout(probe.moe_layers[0]).expert_bytes
             self.slots_per_layer = min(probe.plan.slots.values())
             self.model_id = probe.model_id()
-            self.n_experts = {l: probe.store.layout(l).n_experts for l in probe.moe_layers}
         finally:
             probe.close()
-        # How often each expert was routed over every measured run (verify windows and prefill alike): what
-        # tuning.json keeps for `generate --warm tuning.json` (runtime/decode/warm.py).
-        self.expert_counts = {l: np.zeros(n, np.int64) for l, n in self.n_experts.items()}
-
-    def _count(self, om) -> None:
-        """Add a finished run's routing (its telemetry trace: prefill and verify windows, reruns excluded)."""
-        om.telemetry.flush()
-        for sequence in om.telemetry.sequences:
-            for block in sequence:  # (tokens, layers, k)
-                for i, layer in enumerate(om.moe_layers):
-                    n = self.n_experts[layer]
-                    self.expert_counts[layer] += np.bincount(block[:, i, :].reshape(-1), minlength=n)[:n]
 
     def measure(self, s: Setting) -> tuple[Measurement, dict]:
         """Run every prompt with setting `s`; returns the measurement and raw timing facts."""
@@ -65,7 +50,7 @@ class SettingRunner:
         facts = {"draft_ms_per_round": [], "load_ms_per_expert": [], "verify_ms_per_round": []}
         for prompt in w.prompts:
             om = OffloadedModel.load(w.model, OffloadConfig(budget=w.budget, policy=s.policy, io_mode=w.io_mode,
-                                                            threads=w.threads, inject=w.inject, trace=True))
+                                                            threads=w.threads, inject=w.inject))
             try:
                 ids = list(om.tokenizer.encode(prompt))
                 _, st, layers = run_speculative(om, w.draft, ids, max_tokens=w.max_tokens, num_draft=s.num_draft,
@@ -81,7 +66,6 @@ class SettingRunner:
                 acc.append(st.acceptance)
                 facts["draft_ms_per_round"].append(st.draft_s * 1e3 / max(1, st.n_rounds))
                 facts["verify_ms_per_round"].append(st.verify_s * 1e3 / max(1, st.n_rounds))
-                self._count(om)
                 ls = om.loader.stats
                 if ls.n_requests:
                     facts["load_ms_per_expert"].append(ls.read_ms / ls.n_requests)

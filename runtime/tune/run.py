@@ -102,7 +102,7 @@ def run_tune(model: Path, draft: Path, prompts: Path, *, budget: str, max_tokens
         choice = type(choice)(choice.setting, choice.measurement,
                               choice.reason + "; prefetch does not apply: the budget holds every expert")
     key = tuning_key(runner.model_id["digest"], config_digest(runner.draft_config), budget)
-    path = save_tuning(model, key, choice, measured, runner.expert_counts)
+    path = save_tuning(model, key, choice, measured)
     console.print(table(sorted(measured, key=lambda m: m.setting.simplicity()), "tuning measurements"))
     c = choice.setting
     console.print(f"chosen: cutoff {c.cutoff}, predictor {c.predictor}, K={c.num_draft}, policy {c.policy} — "

@@ -204,10 +204,8 @@ def tuning_key(model_digest: str, drafter_digest: str, budget: str) -> dict:
     return {"model": model_digest, "drafter": drafter_digest, "budget": budget, "machine": machine_key()}
 
 
-def save_tuning(model_dir: Path, key: dict, choice: Choice, measurements: list[Measurement],
-                expert_counts: dict | None = None) -> Path:
-    """Write (or replace) this key's entry; `expert_counts` {layer: [count per expert]}, the routing the
-    measurements saw, lets `generate --warm tuning.json` start with each layer's most used experts."""
+def save_tuning(model_dir: Path, key: dict, choice: Choice, measurements: list[Measurement]) -> Path:
+    """Write (or replace) this key's entry."""
     path = Path(model_dir) / TUNING_FILE
     entries = []
     if path.exists():
@@ -218,9 +216,7 @@ def save_tuning(model_dir: Path, key: dict, choice: Choice, measurements: list[M
             entries = []  # a damaged file is replaced, not merged
     entries.append({"key": key, "setting": asdict(choice.setting), "reason": choice.reason,
                     "measured": [{**asdict(m.setting), **{k: v for k, v in asdict(m).items() if k != "setting"}}
-                                 for m in measurements],
-                    **({"expert_counts": {str(l): [int(c) for c in row] for l, row in expert_counts.items()}}
-                       if expert_counts else {})})
+                                 for m in measurements]})
     tmp = path.with_name(f".{TUNING_FILE}.tmp")
     tmp.write_text(json.dumps({"version": TUNING_VERSION, "entries": entries}, indent=1))
     tmp.replace(path)
