@@ -1,10 +1,11 @@
-"""A decode token's MoE call whose experts are all valid (CachedSwitchGLU._token_call, SlotTable.use_valid) runs
-in one lock round trip; it must leave everything as the general path (release_pending, ensure, slot_ids,
-telemetry.on_call) would: the same tokens as stock mlx-lm, the same hits, misses, evictions and prefetch counts,
-the same expert -> slot tables (so the same recency and victims), the same telemetry and host syncs.
+"""A decode token's MoE call (CachedSwitchGLU._token_call) runs in one lock round trip when its experts are all valid
+(SlotTable.use_valid) and calls ensure() with its unique experts known when some are not; it must leave everything
+as the general path (release_pending, wants_expert_major, ensure, slot_ids, telemetry.on_call) would: the same tokens
+as stock mlx-lm, the same hits, misses, evictions and prefetch counts, the same expert -> slot tables (so the same
+recency and victims), the same telemetry and host syncs.
 
-The comparison run forces the general path by making use_valid() fall back on every call. Planted defects in the
-token call (no recency, an off-by-one slot, no pin) are shown to fail these checks.
+The comparison run forces the general path by replacing the token call with a release and a sync. Planted defects
+in the token call (no recency, an off-by-one slot on a hit or after a read, no pin) are shown to fail these checks.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
+import numpy as np
 from mlx_lm import load as mlx_load
 
 from runtime import load, stream_generate
+from runtime.cache.cached_switch import CachedSwitchGLU
 from runtime.cache.expert_cache import ExpertCache
 from runtime.cache.slot_table import VALID, SlotTable
 from tests.conftest import PROMPT, greedy_ids
@@ -30,13 +33,13 @@ def reference(tiny_dirs):
 
 
 def general_only(mp: pytest.MonkeyPatch) -> None:
-    """use_valid() releases what it is given and falls back: every call takes the general path."""
-    def use_valid(self, layer, experts, release):
-        with self._lock:
-            if release:
-                self.unpin(layer, release)
-        return None
-    mp.setattr(ExpertCache, "use_valid", use_valid)
+    """Every call takes the general path: the token call only releases, syncs and hands the ids over."""
+    def token_call(self, x, indices):
+        self.release_pending()
+        self.cache.unprotect(self.layer)
+        self.cache.host_syncs += 1
+        return None, np.array(indices)
+    mp.setattr(CachedSwitchGLU, "_token_call", token_call)
 
 
 def run(path, budget: str, ids: list[int], count: list | None = None) -> dict:
@@ -136,7 +139,23 @@ def no_pin(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(SlotTable, "use_valid", use_valid)
 
 
-@pytest.mark.parametrize("plant", [no_recency, off_by_one, no_pin], ids=lambda f: f.__name__)
+def read_off_by_one(mp: pytest.MonkeyPatch) -> None:
+    """A call that read experts gets slots one past theirs (the last slot stays itself)."""
+    real = ExpertCache.ensure
+
+    def ensure(self, layer, experts):
+        slots, stats = real(self, layer, experts)
+        if not stats.misses:
+            return slots, stats
+        self.unpin(layer, slots)
+        shifted = np.minimum(slots + 1, self.n_slots(layer) - 1)
+        with self._lock:
+            self.table.pin(layer, shifted)
+        return shifted, stats
+    mp.setattr(ExpertCache, "ensure", ensure)
+
+
+@pytest.mark.parametrize("plant", [no_recency, off_by_one, no_pin, read_off_by_one], ids=lambda f: f.__name__)
 def test_a_planted_defect_in_the_token_call_is_caught(tiny_dirs, reference, general, monkeypatch, plant):
     plant(monkeypatch)
     try:

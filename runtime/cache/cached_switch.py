@@ -16,8 +16,8 @@ Invariants:
   read once, reads overlapping compute. Other calls too large for the slots would be
   split into token groups that each fit (split_by_capacity).
 - A normal call reads the router's choice back to the host (one sync per MoE layer). A decode token's call
-  (one token, no device pass, no observer) whose experts are all valid does the general path's release,
-  bookkeeping, pins and telemetry in one lock round trip (_token_call); any other falls back to it.
+  (one token, no device pass, no observer) does the general path's release, bookkeeping, pins and telemetry
+  with its unique experts known once, in one lock round trip when all are valid (_token_call).
 - Inside a device pass (runtime/decode/device_pass.py), a call whose tokens x k fit the
   layer's usable slots maps the router's ids through the cache's persistent device table
   (expert -> slot, or n_slots + expert when absent) on the device: no host sync, no Python
@@ -109,11 +109,11 @@ class CachedSwitchGLU(nn.Module):
         return out
 
     def _token_call(self, x: mx.array, indices: mx.array) -> tuple[mx.array | None, np.ndarray]:
-        """One token's call (a decode step), outside a device pass and unobserved: when its experts are all valid,
-        what release_pending(), ensure(), slot_ids() and the telemetry do, in one lock round trip and a few list
-        operations. Returns (output, expert ids); the output is None when an expert is absent or loading (or they
-        exceed the usable slots): then the earlier outputs are released, a pending resize applied and nothing
-        else changed, for the general path to read them."""
+        """One token's call (a decode step), outside a device pass and unobserved: what release_pending(), ensure(),
+        slot_ids() and the telemetry do for it, its unique experts found once from a list. Experts all valid: one lock
+        round trip (use_valid); else ensure() reads the absent ones. Returns (output, expert ids); the output is None
+        when the experts exceed the usable slots: then the earlier outputs are released, a pending resize applied
+        and nothing else changed, for the general path (expert-major) to run the call."""
         pending = self._pending
         if pending:
             mx.eval([out for out, _ in pending])  # evaluated before their slots are unpinned (in use_valid)
@@ -125,9 +125,13 @@ class CachedSwitchGLU(nn.Module):
         row = ids.reshape(-1).tolist()
         experts = sorted(set(row))
         got = self.cache.use_valid(self.layer, experts, release)
-        if got is None:
-            return None, ids
-        slots, prefetch_used = got
+        if got is not None:
+            slots, stats = got[0], (len(experts), 0, got[1], 0, 0.0)
+        elif len(experts) > self.cache.usable_slots(self.layer):
+            return None, ids  # more than the slots hold: expert-major (the general path)
+        else:  # absent or loading experts: read them (what _run does, its unique experts known)
+            found, call = self.cache.ensure(self.layer, experts)
+            slots, stats = found.tolist(), (call.hits, call.misses, call.prefetch_used, call.bytes_read, call.stall_ms)
         slot_of = dict(zip(experts, slots))
         inds = [slot_of[e] for e in row]
         for _ in range(ids.ndim - 1):
@@ -139,8 +143,7 @@ class CachedSwitchGLU(nn.Module):
             raise
         pending.append((out, slots))
         if self.telemetry is not None:  # the records on_call() files, its counts known here
-            n = len(experts)
-            self.telemetry.on_forward([(self.layer, ids.reshape(1, -1), n, (n, 0, prefetch_used, 0, 0.0))])
+            self.telemetry.on_forward([(self.layer, ids.reshape(1, -1), len(experts), stats)])
         return out, ids
 
     @property
