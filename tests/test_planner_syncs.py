@@ -1,5 +1,5 @@
-"""The plan's host syncs follow the budget as `--one-sync auto` does: 1 per token at a full budget, one per MoE
-layer + 1 below it; verify windows stay device passes that route the layers whose misses make a sync pay."""
+"""The plan's host syncs follow the budget as the default decoding (`one_sync="auto"`) does: 1 per token at a full
+budget, one per MoE layer + 1 below it; verify windows stay device passes that route the layers whose misses make a sync pay."""
 
 from __future__ import annotations
 
