@@ -223,9 +223,11 @@ class ExpertCache(ResidentTables):
                 tickets = following
 
     def _await_room(self, layer: int, experts) -> bool:
-        """Wait until `layer` can take the absent `experts`: unprotected prefetches still in
-        flight occupy slots nobody may evict, so a call that needs them waits for their
-        reads (promoted to demand) instead of failing for want of a slot. Returns whether it waited."""
+        """Wait until `layer` can take the absent `experts`: unprotected prefetches still in flight occupy slots nobody
+        may evict, so a call that needs them waits for their reads (promoted to demand) instead of failing for want of
+        a slot. Returns whether it waited."""
+        if not self._tickets:  # no read in flight (I/O threads add only re-reads into pinned slots): none to wait for
+            return False
         experts = np.asarray(experts, np.int64)
         waited = False
         while True:
@@ -254,8 +256,7 @@ class ExpertCache(ResidentTables):
 
     # -- prefetch path -------------------------------------------------------------------
     def prefetch(self, keys: list[ExpertKey], round_id: int, max_bytes: int | None = None) -> int:
-        """Queue reads of the `keys` not resident (earlier layers first) and protect every
-        key from eviction until unprotect(layer). Returns the bytes queued."""
+        """Queue reads of the `keys` not resident (earlier layers first), protect each till unprotect(layer); returns the bytes queued."""
         queued = 0
         with self._lock:
             # Resident keys first, pinned together per layer: reading an absent one must not evict them.
