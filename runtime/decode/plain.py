@@ -109,9 +109,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     `om` (an OffloadedModel) supplies paging counters; its decode steps run as device passes (one host sync per
     token, repaired when an expert was absent) when one_sync is "on", or "auto" and the budget holds every expert;
     else through mlx-lm's generate_step on the per-layer synced path (the module docstring). Before the prefill the
-    cache is warmed: every expert when the budget holds them all,
-    else the most used per `warm` (a routing trace or expert counts); decoding starts once those reads
-    are in.
+    cache is warmed: every expert when the budget holds them all (`warm="off"`: not even then); decoding
+    starts once those reads are in.
     `sampler` (mlx-lm's make_sampler) overrides temp/top_p. `progress` (a PrefillProgress) shows the
     prompt's processing; the stats' `prefill` says what it cost (runtime/decode/prefill.py).
     `prompt_cache` (a PromptCache) keeps the KV cache and state across calls: the prefix it already

@@ -67,7 +67,7 @@ class SpecConfig:
     seed: int = 0
     prefill_chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per target forward during prefill (mlx-lm's 2048);
     # under --memory-limit the target's ContextGovernor sizes it instead: the whole prompt unless its activations need less
-    warm: str | None = None  # warm start source (runtime/decode/warm.py); a full budget always warms
+    warm: str | None = None  # None: a full budget reads every expert first; "off": none (runtime/decode/warm.py)
     one_sync: str = "auto"  # verify as device passes (one host sync, repair): auto (layers whose windows keep missing
     # routed) or on (never routed); off: one sync per layer
     adaptive_k: bool = True  # K per round from acceptance, down to 0 (plain rounds); False: always num_draft
