@@ -41,17 +41,19 @@ from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.sample_utils import make_sampler
 
 from runtime.cache import DEFAULT_POLICY, BudgetPlan, GovernorConfig
 from runtime.decode import (OffloadConfig, OffloadedModel, default_predictor, load_drafter, release_drafter,
-                            speculative_decoder, stream_tokens)
+                            speculative_decoder, stream_tokens, text_config)
 from runtime.run_stats import PhaseStats, RunMeter, RunStats, SpeculativeStats, Totals
 
 __all__ = ["load", "stream_generate", "generate", "Engine", "GenerationResponse", "DraftSettings", "RunStats",
            "PhaseStats", "SpeculativeStats", "Totals"]
 
 ONE_SYNC = ("auto", "on", "off")
+KV_GROUP = 64  # mlx-lm's kv_group_size: its quantized KV cache groups each head's values in 64s
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
         raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
     if warm not in (None, "off"):
         raise ValueError(f"warm {warm!r}; expected None (a full budget reads every expert first) or 'off'")
+    _check_kv_bits_fits(om.config, kv_bits, len(ids) + max_tokens)
     if seed is not None:
         mx.random.seed(seed)
     eos = set(tokenizer.eos_token_ids)
@@ -231,6 +234,20 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
         tokens.close()
         if decoder is not None:
             release_drafter(decoder.drafter)
+
+
+def _check_kv_bits_fits(config: dict, kv_bits: int | None, positions: int) -> None:
+    """A run that reaches mlx-lm's quantized_kv_start (5000 tokens) on a model whose head_dim is not a multiple of
+    KV_GROUP would fail inside mlx when the cache converts (mid-run, with a traceback): refused before the prefill."""
+    cfg = text_config(config)
+    if not kv_bits or positions < DEFAULT_QUANTIZED_KV_START or "kv_lora_rank" in cfg:  # MLA caches: other shapes
+        return
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    if head_dim % KV_GROUP:
+        raise ValueError(f"kv_bits {kv_bits} with {positions} tokens: mlx-lm quantizes the KV cache from its "
+                         f"{DEFAULT_QUANTIZED_KV_START}th token in groups of {KV_GROUP} values per head, and this "
+                         f"model's head_dim is {head_dim}; drop --kv-bits or keep prompt + max tokens under "
+                         f"{DEFAULT_QUANTIZED_KV_START}")
 
 
 def generate(engine: Engine, prompt: str | list[int], max_tokens: int = 256, **kwargs) -> str:

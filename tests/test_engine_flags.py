@@ -48,3 +48,18 @@ def test_the_removed_decode_flags_are_refused_by_every_command(tiny_qwen):
             line = err.strip()  # click may add "(Possible options: ...)" for a near name
             assert code == 2 and "\n" not in line and line.startswith(f"specmoe: error: No such option: {flag} ") \
                 and line.endswith(f"(see `specmoe {command} -h`)"), (command, flag, err)
+
+
+def test_kv_bits_on_a_head_dim_mlx_lm_cannot_group_is_refused_before_the_prefill():
+    """The embedded target's head_dim is 32; mlx-lm's quantized KV cache groups values in 64s from its 5000th token
+    (bench/results/kv_bits.txt measures --kv-bits on a head_dim-64 model). A run that would get there is one line,
+    exit 2, before any token; a shorter run is not quantized and is not refused."""
+    from runtime.checkpoints.embedded import embedded_pair
+
+    target = str(embedded_pair().target)
+    base = ["generate", "-m", target, "--raw-prompt", "--budget", "100%", "--kv-bits", "8"]
+    code, out, err = run_cli(base + ["-p", " ".join(["word"] * 5200), "-n", "4"])
+    assert code == 2 and out == "" and "this model's head_dim is 32" in err, err
+    assert err.strip().splitlines()[-1].startswith("specmoe: error: kv_bits 8 with ")
+    code, out, err = run_cli(base + ["-p", "hello there", "-n", "4"])
+    assert code == 0, err
