@@ -1,4 +1,4 @@
-"""Decode through the public API: each --one-sync mode and a plain greedy loop over the paged model, against stock.
+"""Decode through the public API: each one_sync mode and a plain greedy loop over the paged model, against stock.
 
 Physics: a decode token computes every resident weight once plus top_k experts per MoE layer. Stock mlx-lm
 holds every expert and syncs once a token (its loop queues token n+1 before it reads token n). The paged model

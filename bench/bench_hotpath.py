@@ -217,11 +217,11 @@ def main() -> None:
         models = {"embedded pair target (8 layers x 64 experts, top-4)": embedded_pair().target,
                   "synthetic qwen3_moe (8 layers x 64 experts, top-4)": synthetic}
         lines.append(f"host syncs per decoded token (greedy, {args.tokens} tokens x {len(PROMPTS)} prompts, "
-                     f"warm start; --one-sync on: device passes, one sync per token + one per repair; auto (the "
+                     f"warm start; one_sync on: device passes, one sync per token + one per repair; auto (the "
                      f"default): device passes while the budget holds every expert, else one sync per MoE layer "
                      f"+ one for the token; load average "
                      f"{os.getloadavg()[0]:.1f})")
-        lines.append(f"{'model':<52}{'budget, --one-sync':>19}{'syncs/tok':>11}{'repairs/tok':>13}{'misses/tok':>12}"
+        lines.append(f"{'model':<52}{'budget, one_sync':>19}{'syncs/tok':>11}{'repairs/tok':>13}{'misses/tok':>12}"
                      f"{'wasted/tok':>12}{'tok/s':>8}")
         result["syncs"] = {}
         for name, path in models.items():

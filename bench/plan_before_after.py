@@ -1,6 +1,6 @@
 """The plan for Qwen3-30B-A3B and Qwen3.5-35B-A3B on a 16 GB M4, cost model v1 (before) against v2
-(after), term by term. v2 prices the engine's default (`--one-sync auto`: below a full budget, one host
-sync per MoE layer + 1 per token); the last column prices device passes at every budget (`--one-sync on`,
+(after), term by term. v2 prices the engine's default (`one_sync="auto"`: below a full budget, one host
+sync per MoE layer + 1 per token); the last column prices device passes at every budget (`one_sync="on"`,
 one sync per forward + repairs), v2's count before the default changed. Projections only (no
 measurement): deterministic, so one run suffices.
 
