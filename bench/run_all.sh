@@ -41,6 +41,7 @@ run() {
   if [[ -n $CHECK ]]; then  # parse check: the command's own --help (bash -c lines: bash -n)
     local err ok=1
     if [[ $1 == bash ]]; then err=$(bash -n -c "$3" 2>&1) || ok=0
+    elif [[ $1 == python && $2 == -m ]]; then err=$(python bench/check_args.py "${3//.//}.py" "${@:4}" 2>&1) || ok=0
     elif [[ $1 == python ]]; then err=$(python bench/check_args.py "${@:2}" 2>&1) || ok=0
     else err=$("$@" --help 2>&1 > /dev/null) || ok=0; fi  # click rejects unknown options before --help
     if (( ! ok )); then echo "BROKEN: $name: $*"; echo "$err" | tail -3; FAILED+=("$name"); return 0; fi
