@@ -194,7 +194,7 @@ def position_sampler(cache: list, seed: int, temp: float = TEMP):
 
 
 # -- one run -------------------------------------------------------------------------------
-class _Device:
+class Device:
     """mlx.core as the decode modules see it, with mx.async_eval replaced (every other name is mlx.core's)."""
 
     def __init__(self, kind: str):
@@ -204,7 +204,7 @@ class _Device:
         return getattr(mx, name)
 
 
-class _GovernorReader:
+class GovernorReader:
     """The loader's reader, passed through, that requests a resize (as the memory governor's thread does) when the
     read count reaches each of `at`'s counts: on an I/O thread, in the middle of whatever the engine is doing. The
     engine applies it at its next resize point."""
@@ -231,7 +231,7 @@ def device_mode(kind: str):
     if kind == "async":
         yield
         return
-    fake = _Device(kind)
+    fake = Device(kind)
     patched = [m for name, m in list(sys.modules.items())
                if name.startswith("runtime.decode") and getattr(m, "mx", None) is mx]
     for m in patched:
@@ -243,7 +243,7 @@ def device_mode(kind: str):
             m.mx = mx
 
 
-def _apply_event(om, kind: str, args: tuple, round_id: int) -> None:
+def apply_event(om, kind: str, args: tuple, round_id: int) -> None:
     cache, layers = om.cache, om.moe_layers
     if kind == "resize":
         n, now = args
@@ -263,7 +263,7 @@ def _apply_event(om, kind: str, args: tuple, round_id: int) -> None:
             om.loader.cancel_stale(round_id + 1)
 
 
-def _uses_pass(om, one_sync: str) -> bool:
+def uses_pass(om, one_sync: str) -> bool:
     """Whether plain decoding with --one-sync `one_sync` runs device passes, as runtime/decode/plain.py decides it:
     "on" always, "off" never, "auto" while every layer's usable slots hold all its experts (where the engine has
     that rule; else always)."""
@@ -276,12 +276,27 @@ def _uses_pass(om, one_sync: str) -> bool:
     return holds_every_expert(om)
 
 
-def _pass_options(one_sync: str) -> dict:
+def pass_options(one_sync: str) -> dict:
     """DevicePass options of a plain decode's --one-sync, as runtime/decode/plain.py passes them (where the pass
     takes a segment setting: "auto" learns routed layers and segments, "on" keeps one sync)."""
     if "segment" in inspect.signature(DevicePass).parameters:
         return {"segment": "auto" if one_sync == "auto" else None}
     return {}
+
+
+def plain_steps(om, ids: list, one_sync: str, sampling: str, seed: int, n_tokens: int):
+    """Plain decoding of `ids` on the paged model as the engine runs it with --one-sync `one_sync` (device passes, or
+    mlx-lm's generate_step where runtime/decode/plain.py runs none): a generator of (token, log-probabilities) and a
+    callable giving the repairs so far."""
+    cache = make_prompt_cache(om.model)
+    sampler = position_sampler(cache, seed) if sampling == "seeded" else (lambda x: mx.argmax(x, axis=-1))
+    if not uses_pass(om, one_sync):
+        return generate_step(mx.array(ids), om.model, max_tokens=n_tokens, sampler=sampler, prompt_cache=cache), \
+            lambda: 0
+    dp = DevicePass(om, **pass_options(one_sync))
+    return offloaded_generate_step(om, mx.array(ids), max_tokens=n_tokens, sampler=sampler, device_pass=dp,
+                                   prompt_cache=cache, after_prefill=om.cache.settle_inflight), \
+        lambda: dp.stats.repairs
 
 
 def _run(s: Schedule, refs: References) -> tuple[list, list, int, int]:
@@ -296,31 +311,19 @@ def _run(s: Schedule, refs: References) -> tuple[list, list, int, int]:
         warm_start(om)
         om.cache.settle_inflight()
         if s.governor:  # counted from the first read after the warm start
-            om.loader.reader = _GovernorReader(om.loader.reader, om.cache, s.governor)
+            om.loader.reader = GovernorReader(om.loader.reader, om.cache, s.governor)
         if s.split:
             om.cache.set_usable_slots({l: om.cache.n_slots(l) for l in om.moe_layers}
                                       | {om.moe_layers[i % len(om.moe_layers)]: n for i, n in s.split})
         ids = om.tokenizer.encode(PROMPT)
         with device_mode(s.device):
             if s.mode == "plain":
-                cache = make_prompt_cache(om.model)
-                sampler = position_sampler(cache, s.seed) if s.sampling == "seeded" else \
-                    (lambda x: mx.argmax(x, axis=-1))
-                if not _uses_pass(om, s.one_sync):
-                    steps = generate_step(mx.array(ids), om.model, max_tokens=s.n_tokens, sampler=sampler,
-                                          prompt_cache=cache)
-                    repairs = lambda: 0  # noqa: E731
-                else:
-                    dp = DevicePass(om, **_pass_options(s.one_sync))
-                    steps = offloaded_generate_step(om, mx.array(ids), max_tokens=s.n_tokens, sampler=sampler,
-                                                    device_pass=dp, prompt_cache=cache,
-                                                    after_prefill=om.cache.settle_inflight)
-                    repairs = lambda: dp.stats.repairs  # noqa: E731
+                steps, repairs = plain_steps(om, ids, s.one_sync, s.sampling, s.seed, s.n_tokens)
                 for token, lp in steps:
                     tokens.append(int(token))
                     logprobs.append(np.array(lp))
                     for kind, args in events.get(len(tokens) - 1, ()):
-                        _apply_event(om, kind, args, 10_000 + len(tokens))
+                        apply_event(om, kind, args, 10_000 + len(tokens))
                 n_repairs = repairs()
             else:
                 model, config = refs.drafter()
@@ -332,7 +335,7 @@ def _run(s: Schedule, refs: References) -> tuple[list, list, int, int]:
                 for token in decoder.stream(ids, s.n_tokens):
                     tokens.append(int(token))
                     for kind, args in events.get(len(tokens) - 1, ()):
-                        _apply_event(om, kind, args, 10_000 + len(tokens))
+                        apply_event(om, kind, args, 10_000 + len(tokens))
                 n_repairs = decoder.stats.repairs
         return tokens, logprobs, n_repairs, om.cache.resize_stats.n_shrinks
     finally:

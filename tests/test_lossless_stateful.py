@@ -1,0 +1,91 @@
+"""The stateful stress machine in the suite: Hypothesis drives one engine step by step and shrinks a failure to a
+minimal sequence (bench/stress_machine.py; the long run is `python -m bench.stress_stateful`,
+bench/results/stress_stateful.txt).
+
+Each example starts one engine (family, budget or per-layer split, plain or speculative, greedy or seeded sampling,
+one-sync setting, device), then interleaves decode(n) with governor shrinks and grows (now or at the engine's next
+resize point), resizes requested from an I/O thread at a given read, prefetches that arrive early, late or never,
+slow reads and read errors the loader retries, and the device switching between running queued work as it does,
+late or at once. Every token equals stock mlx-lm's (plain decoding: its log-probabilities exactly).
+
+It can fail: planted defects (bench/stress_lossless.py's MUTATIONS, monkeypatched for the run and undone) are
+found and shrunk. In the default tier: a device-table entry one slot off and a lookup whose absent flag is dropped
+(no repair), each found within a few examples and shrunk to start + decode(n=1). A hold that holds nothing and a
+shrink that does not bump the table version need a race (a shrink while a forward is pending, then a decode); the
+long tier (`-m long`) runs those with more examples, and the clean run over all nine families.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.checkpoints.tiny import FAMILIES, make_tiny
+from tests.bench_scripts import load_bench_script
+from tests.conftest import TINY
+
+CI_FAMILIES = ("qwen3_moe", "mixtral")  # plain KV + switch_mlp; a block_sparse_moe family
+EXAMPLES, STEPS = 40, 16  # the clean run in the default tier: ~40 engines, ~16 steps each
+
+machine = load_bench_script("stress_machine")
+mutations = load_bench_script("stress_lossless").MUTATIONS
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_dirs, tmp_path_factory):
+    """Stock references over the suite's tiny checkpoints and the dense drafter, shared by the module's tests."""
+    drafter = make_tiny(tmp_path_factory.mktemp("stateful") / "drafter", "qwen3", seed=9, layers=TINY["layers"])
+    return machine.References({**tiny_dirs, "drafter": drafter})
+
+
+def _check_clean(refs, families, examples, steps) -> None:
+    tally = machine.Tally()
+    found = machine.explore(refs, tally, examples, steps, families=families)
+    assert not found.failed, f"{found.error}\nshrunk to: {machine.shown(found.trace)}"
+    assert tally.examples >= examples and tally.mismatches == 0 and tally.errors == 0
+    assert tally.tokens >= 2 * examples and tally.logits > 0  # every example decodes; plain ones compare logits
+    assert set(tally.rules) == {"start", "decode", "shrink", "grow", "prefetch", "governor_at_read", "read_error",
+                                "slow_reads", "device_runs"}
+    assert {(f, m) for f, _, m, _ in tally.configs} == {(f, m) for f in families for m in machine.MODES}
+
+
+def test_every_token_equals_stock_under_explored_interleavings(refs):
+    _check_clean(refs, CI_FAMILIES, EXAMPLES, STEPS)
+
+
+@pytest.mark.long
+def test_every_token_equals_stock_under_explored_interleavings_every_family(refs):
+    _check_clean(refs, FAMILIES, 200, 20)
+
+
+def _check_found(refs, name, within, shrunk_at_most, families=CI_FAMILIES, steps=STEPS) -> None:
+    """Hypothesis finds the planted defect within `within` examples and shrinks it to at most `shrunk_at_most`
+    steps; the shrunk sequence fails with the defect and passes without it. Plain decoding only: there a defect's
+    effect does not hang on when the loader's threads finish a forecast's reads, so the shrunk sequence replays."""
+    options = dict(families=families, modes=("plain",))
+    found, tally = machine.find_mutation(refs, mutations[name], within, steps, **options)
+    assert found.failed, f"{name}: no failure in {tally.examples} examples"
+    assert tally.first_failure is not None and tally.first_failure <= within
+    print(f"{name}: found at example {tally.first_failure}, shrunk to {len(found.trace)} steps "
+          f"({tally.examples} examples in all): {machine.shown(found.trace)}")
+    assert found.trace[0][0] == "start" and found.trace[-1][0] == "decode"
+    assert len(found.trace) <= shrunk_at_most, machine.shown(found.trace)
+    assert machine.replay(refs, found.trace, **options) == "", "the shrunk sequence fails without the defect"
+    mp = pytest.MonkeyPatch()
+    try:
+        mutations[name](mp)
+        assert machine.replay(refs, found.trace, **options), "the shrunk sequence passes with the defect"
+    finally:
+        mp.undo()
+
+
+# Found from the derandomized start (measured: example 1 and example 4 of qwen3_moe/mixtral, each shrunk to
+# start + decode(n=1)); the bounds leave room for a changed engine to need a few more.
+@pytest.mark.parametrize("name, within, shrunk_at_most", [("off-by-one slot", 10, 2), ("skipped repair flag", 60, 2)])
+def test_hypothesis_finds_and_shrinks_a_planted_defect(refs, name, within, shrunk_at_most):
+    _check_found(refs, name, within, shrunk_at_most)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name, within, shrunk_at_most", [("hold as a no-op", 300, 4), ("no version bump", 300, 4)])
+def test_hypothesis_finds_and_shrinks_a_race_defect(refs, name, within, shrunk_at_most):
+    _check_found(refs, name, within, shrunk_at_most, steps=20)
