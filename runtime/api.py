@@ -207,7 +207,7 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
         raise ValueError(f"one_sync {one_sync!r}; expected auto, on or off")
     if warm not in (None, "off"):
         raise ValueError(f"warm {warm!r}; expected None (a full budget reads every expert first) or 'off'")
-    _check_kv_bits_fits(om.config, kv_bits, len(ids) + max_tokens)
+    check_kv_bits_fits(om.config, kv_bits, len(ids) + max_tokens)
     if seed is not None:
         mx.random.seed(seed)
     eos = set(tokenizer.eos_token_ids)
@@ -236,7 +236,7 @@ def stream_generate(engine: Engine, prompt: str | list[int], max_tokens: int = 2
             release_drafter(decoder.drafter)
 
 
-def _check_kv_bits_fits(config: dict, kv_bits: int | None, positions: int) -> None:
+def check_kv_bits_fits(config: dict, kv_bits: int | None, positions: int) -> None:
     """A run that reaches mlx-lm's quantized_kv_start (5000 tokens) on a model whose head_dim is not a multiple of
     KV_GROUP would fail inside mlx when the cache converts (mid-run, with a traceback): refused before the prefill."""
     cfg = text_config(config)

@@ -63,3 +63,24 @@ def test_kv_bits_on_a_head_dim_mlx_lm_cannot_group_is_refused_before_the_prefill
     assert err.strip().splitlines()[-1].startswith("specmoe: error: kv_bits 8 with ")
     code, out, err = run_cli(base + ["-p", "hello there", "-n", "4"])
     assert code == 0, err
+
+
+def test_serve_refuses_kv_bits_its_context_would_break_before_loading(tmp_path):
+    """serve answers requests up to the model's context: with a head_dim mlx-lm's quantized KV cache cannot group
+    and a context past its 5000th token, --kv-bits is one line, exit 2, before the port is bound or the model loads
+    (a long request would otherwise fail mid-reply)."""
+    import json
+    import shutil
+
+    from runtime.checkpoints.embedded import embedded_pair
+
+    model = tmp_path / "long-context"
+    shutil.copytree(embedded_pair().target, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (model / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli(["serve", "-m", str(model), "--kv-bits", "8", "--port", "0"])
+    line = err.strip()
+    assert code == 2 and out == "" and "\n" not in line, err
+    assert line.startswith("specmoe: error: --kv-bits 8: requests up to the context length would fail"), line
+    assert "head_dim is 32" in line and "--max-prompt-tokens" in line, line

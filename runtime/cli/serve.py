@@ -91,6 +91,7 @@ def register(app: typer.Typer) -> None:
         if log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"--log-level {log_level!r}; expected critical, error, warning, info or debug")
         path = resolve_model(model)
+        _check_kv_bits_serves(path, kv_bits, max_prompt_tokens)
         defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         limits = RequestLimits(max_body_bytes=max_body_bytes, body_timeout_s=body_timeout, max_queue=max_queue,
                                request_timeout_s=request_timeout, max_connections=max_connections)
@@ -109,3 +110,23 @@ def register(app: typer.Typer) -> None:
                                 cutoff=cutoff, policy=policy, io_mode=io_mode, governor=governor,
                                 memory_limit=memory_limit, kv_bits=kv_bits)
         run_server(engine, config, log=lambda line: err_console.print(line, highlight=False, markup=False))
+
+
+def _check_kv_bits_serves(path, kv_bits: int | None, max_prompt_tokens: int | None) -> None:
+    """--kv-bits on a model whose quantized KV cache would fail past mlx-lm's quantized_kv_start: refused before
+    loading (a request that long would otherwise fail mid-reply), one line naming what to change."""
+    import json
+
+    from runtime.api import check_kv_bits_fits
+    from runtime.serve.server import context_limit
+
+    config_file = path / "config.json"
+    if not kv_bits or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    try:
+        check_kv_bits_fits(config, kv_bits, max_prompt_tokens or context_limit(config))
+    except ValueError as e:
+        raise ValueError(f"--kv-bits {kv_bits}: requests up to the context length would fail ({e}); drop --kv-bits "
+                         "or set --max-prompt-tokens below the quantization start") from None
+
