@@ -52,6 +52,7 @@ from storage.faults import FaultSpec, FaultyReader  # noqa: E402
 
 N_TOKENS = 16  # tokens a machine may decode (decode's precondition: fewer so far)
 ONE_SYNCS = ("on", "auto", "off")
+THEN = st.integers(0, 2)  # tokens an event rule decodes right after its event (0: the next step may be another)
 DEVICES = ("async", "lazy", "eager")
 # Weighted as the seeded schedules are, towards what pipelined forwards race with: plain decoding (its next forward
 # is pending at every step), whole layers (100%, split: ids are slots), a device that runs queued work late.
@@ -131,7 +132,7 @@ def lossless_machine(refs: References, tally: Tally, families=FAMILIES, budgets=
             self.device = None
             self.pos = 0
             self.n_events = 0
-            self.errors = []  # (the FaultyReader of a read error, times it fires)
+            self.errors = None  # the FaultyReader of read errors (its one armed fault replaced by the next)
             tally.examples += 1
             tally.trace = self.trace = []
 
@@ -192,6 +193,9 @@ def lossless_machine(refs: References, tally: Tally, families=FAMILIES, budgets=
         def decode(self, n):
             """The next n tokens, each compared with the reference (plain: its log-probabilities exactly)."""
             self._did("decode", n=n)
+            self._decode(n)
+
+        def _decode(self, n: int) -> None:
             for _ in range(min(n, n_tokens - self.pos)):
                 try:
                     out = next(self.steps)
@@ -210,59 +214,69 @@ def lossless_machine(refs: References, tally: Tally, families=FAMILIES, budgets=
                     self._failed()
                     raise AssertionError(f"{self.label}: {wrong}")
 
-        @rule(n=st.one_of(st.integers(top_k, n_experts - 1), st.tuples(*[slots] * layers)), now=st.booleans())
+        @rule(n=st.one_of(st.integers(top_k, n_experts - 1), st.tuples(*[slots] * layers)), now=st.booleans(), then=THEN)
         @checked
-        def shrink(self, n, now):
+        def shrink(self, n, now, then):
             """The governor asks every layer (or each layer: a tuple) for n usable slots; applied now (the decode
             loop's usable_now()) or at the engine's next resize point."""
-            self._did("shrink", n=n, now=now)
+            self._did("shrink", n=n, now=now, then=then)
             self._event("resize", (n, now))
+            self._decode(then)
 
-        @rule(now=st.booleans())
+        @rule(now=st.booleans(), then=THEN)
         @checked
-        def grow(self, now):
-            self._did("grow", now=now)
+        def grow(self, now, then):
+            self._did("grow", now=now, then=then)
             self._event("grow", (now,))
+            self._decode(then)
 
         @rule(keys=st.lists(st.tuples(st.integers(0, layers - 1), st.integers(0, n_experts - 1)), min_size=1,
-                            max_size=6), when=st.sampled_from(["early", "late", "never"]))
+                            max_size=6), when=st.sampled_from(["early", "late", "never"]), then=THEN)
         @checked
-        def prefetch(self, keys, when):
+        def prefetch(self, keys, when, then):
             """Random experts prefetched: settled at once (early), left in flight (late) or cancelled (never)."""
-            self._did("prefetch", keys=keys, when=when)
+            self._did("prefetch", keys=keys, when=when, then=then)
             self._event("prefetch", (tuple(keys), when))
+            self._decode(then)
 
-        @rule(after=st.integers(1, 20), n=slots)
+        @rule(after=st.integers(1, 20), n=slots, then=THEN)
         @checked
-        def governor_at_read(self, after, n):
+        def governor_at_read(self, after, n, then):
             """A resize requested from an I/O thread at the after-th read from now, mid-forward."""
-            self._did("governor_at_read", after=after, n=n)
+            self._did("governor_at_read", after=after, n=n, then=then)
             self.om.loader.reader = GovernorReader(self.om.loader.reader, self.om.cache, ((after, n),))
+            self._decode(then)
 
-        @precondition(lambda self: all(sum(r.counts.values()) >= times for r, times in self.errors))
-        @rule(kind=st.sampled_from(["eio", "eintr", "short"]), after=st.integers(0, 8), times=st.integers(1, 2))
+        @rule(kind=st.sampled_from(["eio", "eintr", "short"]), after=st.integers(0, 8), times=st.integers(1, 2),
+              then=THEN)
         @checked
-        def read_error(self, kind, after, times):
+        def read_error(self, kind, after, times, then):
             """The loader's reads, after `after` good ones, fail `times` times (a short read: once); it retries them.
-            One error armed at a time (once the last has fired): the loader gives up after 4 attempts of a read,
-            which stacked errors would reach (a StoreError, as it should be, not a lossless failure)."""
-            self._did("read_error", kind=kind, after=after, times=times)
-            times = 1 if kind == "short" else times
-            self.errors.append((self._fault(FaultSpec(kind, after=after, times=times)), times))
+            One error is armed at a time (a new one replaces the last): the loader gives up after 4 attempts of a
+            read, which stacked errors could reach (a StoreError, as it should be, not a lossless failure)."""
+            self._did("read_error", kind=kind, after=after, times=times, then=then)
+            spec = FaultSpec(kind, after=after, times=1 if kind == "short" else times)
+            if self.errors is None:
+                self.errors = self._fault(spec)
+            else:
+                self.errors.faults = FaultyReader(None, [spec]).faults
+            self._decode(then)
 
-        @rule(ms=st.sampled_from([1.0, 0.2, 3.0]), times=st.integers(1, 8))
+        @rule(ms=st.sampled_from([1.0, 0.2, 3.0]), times=st.integers(1, 8), then=THEN)
         @checked
-        def slow_reads(self, ms, times):
+        def slow_reads(self, ms, times, then):
             """The loader's next `times` reads take ms longer each."""
-            self._did("slow_reads", ms=ms, times=times)
+            self._did("slow_reads", ms=ms, times=times, then=then)
             self._fault(FaultSpec("slow", ms=ms, times=times))
+            self._decode(then)
 
-        @rule(kind=st.sampled_from(list(DEVICES)))
+        @rule(kind=st.sampled_from(list(DEVICES)), then=THEN)
         @checked
-        def device_runs(self, kind):
+        def device_runs(self, kind, then):
             """From now on the device runs queued work as it does, late (at the next sync) or at once."""
-            self._did("device_runs", kind=kind)
+            self._did("device_runs", kind=kind, then=then)
             self.device.set(kind)
+            self._decode(then)
 
         def _event(self, kind: str, args: tuple) -> None:
             self.n_events += 1

@@ -43,12 +43,18 @@ def main(argv=None) -> int:
                     help="then plant each defect in turn and report whether Hypothesis finds it and the shrunk length")
     ap.add_argument("--mutation-examples", type=int, default=60,
                     help="--mutations: examples Hypothesis may run before giving up on a defect")
+    ap.add_argument("--mutation-modes", default="plain",
+                    help="--mutations: decoding modes to explore (plain: a defect's effect does not hang on when the "
+                         "loader's threads finish a forecast's reads, so the shrunk sequence replays)")
     ap.add_argument("--shrink-seconds", type=float, default=120.0,
                     help="--mutations: stop shrinking a defect's failure after this long (Hypothesis's own: 300)")
     args = ap.parse_args(argv)
     families = tuple(args.families.split(","))
+    mutation_modes = tuple(args.mutation_modes.split(","))
     bad = [f for f in families if f not in FAMILIES]
     problem = (f"--families {','.join(bad)}: expected some of {','.join(FAMILIES)}" if bad else
+               f"--mutation-modes {args.mutation_modes}: expected some of {','.join(MODES)}"
+               if set(mutation_modes) - set(MODES) else
                f"--examples {args.examples}: expected >= 1" if args.examples < 1 else
                f"--steps {args.steps}: expected >= 2" if args.steps < 2 else
                f"--tokens {args.tokens}: expected >= 1" if args.tokens < 1 else
@@ -78,11 +84,13 @@ def main(argv=None) -> int:
             lines.append(f"FAILED: {clean.error}\n  shrunk to {len(clean.trace)} steps: {shown(clean.trace)}")
         if args.mutations:
             result["mutations"] = {}
-            lines.append(f"\n{'mutation':<22} {'found':>5} {'after examples':>14} {'examples run':>12} "
+            lines.append(f"\nplanted defects, modes {','.join(mutation_modes)}, up to {args.mutation_examples} examples "
+                         f"each, shrinking up to {args.shrink_seconds:.0f} s")
+            lines.append(f"{'mutation':<22} {'found':>5} {'after examples':>14} {'examples run':>12} "
                          f"{'shrunk steps':>12} {'seconds':>7}  shrunk sequence")
             for name, plant in MUTATIONS.items():
                 found, t = find_mutation(refs, plant, args.mutation_examples, args.steps,
-                                         shrink_seconds=args.shrink_seconds, **options)
+                                         shrink_seconds=args.shrink_seconds, **options, modes=mutation_modes)
                 lines.append(f"{name:<22} {'yes' if found.failed else 'no':>5} {t.first_failure or '-':>14} "
                              f"{t.examples:>12} {len(found.trace) if found.failed else '-':>12} "
                              f"{found.seconds:>7.0f}  {shown(found.trace) if found.failed else ''}")

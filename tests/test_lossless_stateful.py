@@ -9,10 +9,11 @@ slow reads and read errors the loader retries, and the device switching between 
 late or at once. Every token equals stock mlx-lm's (plain decoding: its log-probabilities exactly).
 
 It can fail: planted defects (bench/stress_lossless.py's MUTATIONS, monkeypatched for the run and undone) are
-found and shrunk. In the default tier: a device-table entry one slot off and a lookup whose absent flag is dropped
-(no repair), each found within a few examples and shrunk to start + decode(n=1). A hold that holds nothing and a
-shrink that does not bump the table version need a race (a shrink while a forward is pending, then a decode); the
-long tier (`-m long`) runs those with more examples, and the clean run over all nine families.
+found and shrunk. Here: a device-table entry one slot off and a lookup whose absent flag is dropped (no repair),
+each found within a few examples and shrunk to two steps. A hold that holds nothing and a shrink that does not bump
+the table version need a race (a shrink while a forward is pending, then a decode): the seeded schedules catch those
+(tests/test_stress_mutations.py); how often this machine does is in bench/results/stress_stateful.txt. The long
+tier (`-m long`) runs the clean machine over all nine families.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _check_found(refs, name, within, shrunk_at_most, families=CI_FAMILIES, steps
     assert tally.first_failure is not None and tally.first_failure <= within
     print(f"{name}: found at example {tally.first_failure}, shrunk to {len(found.trace)} steps "
           f"({tally.examples} examples in all): {machine.shown(found.trace)}")
-    assert found.trace[0][0] == "start" and found.trace[-1][0] == "decode"
+    last, args = found.trace[-1]
+    assert found.trace[0][0] == "start" and (last == "decode" or args.get("then")), "the last step decodes"
     assert len(found.trace) <= shrunk_at_most, machine.shown(found.trace)
     assert machine.replay(refs, found.trace, **options) == "", "the shrunk sequence fails without the defect"
     mp = pytest.MonkeyPatch()
@@ -83,9 +85,3 @@ def _check_found(refs, name, within, shrunk_at_most, families=CI_FAMILIES, steps
 @pytest.mark.parametrize("name, within, shrunk_at_most", [("off-by-one slot", 10, 2), ("skipped repair flag", 60, 2)])
 def test_hypothesis_finds_and_shrinks_a_planted_defect(refs, name, within, shrunk_at_most):
     _check_found(refs, name, within, shrunk_at_most)
-
-
-@pytest.mark.long
-@pytest.mark.parametrize("name, within, shrunk_at_most", [("hold as a no-op", 300, 4), ("no version bump", 300, 4)])
-def test_hypothesis_finds_and_shrinks_a_race_defect(refs, name, within, shrunk_at_most):
-    _check_found(refs, name, within, shrunk_at_most, steps=20)
