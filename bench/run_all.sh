@@ -140,6 +140,7 @@ run verify python bench/bench_verify.py
 run soak python bench/bench_soak.py --tokens 10000
 run serve_fuzz python bench/fuzz_serve.py --requests 2000 --out "$OUT/serve_fuzz.txt"
 run stress_lossless python -m bench.stress_lossless --seed 1000 --schedules 300 --mutations --mutation-starts 4 --max-schedules 100
+run stress_stateful python -m bench.stress_stateful --examples 200 --steps 16 --mutations --mutation-examples 150 --shrink-seconds 90
 run pipeline python bench/bench_pipeline.py --repeats 3 --tokens 24
 run pipeline_hop python bench/bench_pipeline_hop.py
 # projections and the planner's validation (no timing; deterministic)
