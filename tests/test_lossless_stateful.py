@@ -25,7 +25,7 @@ from tests.bench_scripts import load_bench_script
 from tests.conftest import TINY
 
 CI_FAMILIES = ("qwen3_moe", "mixtral")  # plain KV + switch_mlp; a block_sparse_moe family
-EXAMPLES, STEPS = 40, 16  # the clean run in the default tier: ~40 engines, ~16 steps each
+EXAMPLES, STEPS = 30, 16  # the clean run in the default tier: ~30 engines, 16 steps each
 
 machine = load_bench_script("stress_machine")
 mutations = load_bench_script("stress_lossless").MUTATIONS
