@@ -110,6 +110,7 @@ run hotpath_decode_targets python bench/bench_decode.py --budgets 100%,50%,25% -
 run backend python bench/bench_backend.py --trials 8
 # what the default does at 100/50/25% against --one-sync off/on and a plain loop over the paged model, two models
 run decode_defaults python bench/bench_defaults.py --trials 6 --tokens 48
+run decode_cpu python bench/bench_decode_cpu.py --repeats 7
 run prefill python bench/bench_prefill.py
 run long_context python bench/bench_long_context.py
 run long_context_tight python bench/bench_long_context.py --cap 145000000
@@ -141,6 +142,7 @@ run soak python bench/bench_soak.py --tokens 10000
 run serve_fuzz python bench/fuzz_serve.py --requests 2000 --out "$OUT/serve_fuzz.txt"
 run stress_lossless python -m bench.stress_lossless --seed 1000 --schedules 300 --mutations --mutation-starts 4 --max-schedules 100
 run stress_stateful python -m bench.stress_stateful --examples 200 --steps 16 --mutations --mutation-examples 150 --shrink-seconds 90
+run stress_stateful_two_families python -m bench.stress_stateful --examples 60 --steps 16 --families qwen3_moe,mixtral --mutations --mutation-examples 60 --shrink-seconds 90
 run pipeline python bench/bench_pipeline.py --repeats 3 --tokens 24
 run pipeline_hop python bench/bench_pipeline_hop.py
 # projections and the planner's validation (no timing; deterministic)

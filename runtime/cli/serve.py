@@ -118,7 +118,7 @@ def _check_kv_bits_serves(path, kv_bits: int | None, max_prompt_tokens: int | No
     import json
 
     from runtime.api import check_kv_bits_fits
-    from runtime.serve.server import context_limit
+    from runtime.serve import context_limit
 
     config_file = path / "config.json"
     if not kv_bits or not config_file.is_file():
