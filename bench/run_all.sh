@@ -108,7 +108,7 @@ run hotpath_decode_embedded python bench/bench_decode.py --model "$TARGET" --bud
 # ablation table above, whose every variant is loaded at once.
 run hotpath_decode_targets python bench/bench_decode.py --budgets 100%,50%,25% --one-sync auto --trials 16 --next-off ""
 run backend python bench/bench_backend.py --trials 8
-# what the default does at 100/50/25% against --one-sync off/on and a plain loop over the paged model, two models
+# what the default does at 100/50/25% against the one_sync= off/on API keyword and a plain loop over the paged model, two models
 run decode_defaults python bench/bench_defaults.py --trials 6 --tokens 48
 run decode_cpu python bench/bench_decode_cpu.py --repeats 7
 run prefill python bench/bench_prefill.py
