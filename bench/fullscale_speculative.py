@@ -14,7 +14,10 @@ Each pair runs `specmoe generate` plain and with `--draft` (the CLI's defaults o
 pair of different widths resolves to, adaptive K), back to back in alternating order, each in a fresh
 cgroup with the checkpoint evicted from the page cache first (bench/fullscale_cgroup.py). tok/s is
 RunStats' decode rate for both (tokens after the first / time since the first, docs/json.md); the ratio
-is the median of the per-pair speculative/plain ratios with their min-max. Tokens must be equal in every
+is the median of the per-pair speculative/plain ratios with their min-max. The decode rate leaves out the
+first round: a speculative run's first token comes from its first round (a K + 1-token verify window, after
+the drafter's prefill), a plain run's from the prefill, so the first window's cost lands in TTFT; the end-to-end
+ratio (plain's TTFT + decode time over speculative's) counts it. Tokens must be equal in every
 run. Prints a table and one JSON line; --out writes both under a first line with the date and load.
 """
 
@@ -40,7 +43,7 @@ def run(model: Path, draft: Path | None, args, cap: int, json_path: Path, log) -
     cmd = [sys.executable, "-m", "runtime.cli.app", "generate", "-m", str(model), "-p", args.prompt, "-n",
            str(args.max_tokens), "--budget", args.budget, "--raw-prompt", "--io-mode", args.io_mode, "--json", str(json_path)]
     if draft is not None:
-        cmd += ["--draft", str(draft)]
+        cmd += ["--draft", str(draft)] + (["--num-draft", str(args.num_draft)] if args.num_draft else [])
     drop_file_cache(checkpoint_files(model))
     with MemoryCgroup(cap) as cg:
         res = cg.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
@@ -51,6 +54,7 @@ def run(model: Path, draft: Path | None, args, cap: int, json_path: Path, log) -
     result = json.loads(json_path.read_text())
     s, d = result["stats"], result["detail"]
     out.update(tokens=result["tokens"], tok_s=s["tokens_per_s"], ttft_s=s["prefill"]["seconds"],
+               e2e_s=s["prefill"]["seconds"] + s["decode"]["seconds"],
                hit_rate=s["hit_rate"], mb_per_token=s["mb_read_per_token"], syncs_per_token=s["host_syncs_per_token"],
                predictor=result.get("predictor"))
     if draft is not None:
@@ -63,10 +67,13 @@ def summarize(pairs: list[dict]) -> dict:
     ok = [p for p in pairs if p["plain"].get("tok_s") and p["spec"].get("tok_s")]
     ratios = [p["spec"]["tok_s"] / p["plain"]["tok_s"] for p in ok]
     ttft = [p["spec"]["ttft_s"] / p["plain"]["ttft_s"] for p in ok]
+    e2e = [p["plain"]["e2e_s"] / p["spec"]["e2e_s"] for p in ok if p["plain"].get("e2e_s") and p["spec"].get("e2e_s")]
     tokens = {tuple(r[k].get("tokens") or ()) for r in pairs for k in ("plain", "spec")}
     return {"n_pairs": len(ok), "ratio": statistics.median(ratios) if ratios else 0.0,
             "ratio_min": min(ratios, default=0.0), "ratio_max": max(ratios, default=0.0), "ratios": ratios,
             "ttft_ratio": statistics.median(ttft) if ttft else 0.0,
+            "e2e_ratio": statistics.median(e2e) if e2e else 0.0, "e2e_min": min(e2e, default=0.0),
+            "e2e_max": max(e2e, default=0.0),
             "plain_tok_s": statistics.median(p["plain"]["tok_s"] for p in ok) if ok else 0.0,
             "spec_tok_s": statistics.median(p["spec"]["tok_s"] for p in ok) if ok else 0.0,
             "tokens_equal": len(tokens) == 1 and () not in tokens}
@@ -87,7 +94,9 @@ def table(pairs: list[dict], summary: dict) -> str:
     s = summary
     lines.append(f"# spec/plain decode tok/s: median {s['ratio']:.3f} [{s['ratio_min']:.3f}-{s['ratio_max']:.3f}] over "
                  f"{s['n_pairs']} pairs (plain {s['plain_tok_s']:.3f}, spec {s['spec_tok_s']:.3f} tok/s); TTFT spec/plain "
-                 f"{s['ttft_ratio']:.2f}; tokens equal in every run: {'yes' if s['tokens_equal'] else 'NO'}")
+                 f"{s['ttft_ratio']:.2f}; tokens equal in every run: {'yes' if s['tokens_equal'] else 'NO'}\n"
+                 f"# end to end (prompt in, n tokens out: TTFT + decode), plain time / spec time: median {s['e2e_ratio']:.3f} "
+                 f"[{s['e2e_min']:.3f}-{s['e2e_max']:.3f}]")
     return "\n".join(lines)
 
 
@@ -98,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cap", default="8GB", help="the memory cap (cgroup v1, page cache counted)")
     ap.add_argument("--budget", default="4GB", help="specmoe --budget")
     ap.add_argument("-n", "--max-tokens", type=int, default=12, help="greedy tokens per run")
+    ap.add_argument("--num-draft", type=int, default=None, help="specmoe --num-draft (K; default: the CLI's)")
     ap.add_argument("--pairs", type=int, default=3, help="plain/speculative pairs, alternating which runs first")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw prompt")
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"], help="specmoe --io-mode")
@@ -106,7 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default=None, help="a line for --out's header (e.g. what else ran on the machine)")
     args = ap.parse_args(argv)
     try:
-        cap = parse_gb(args.cap)
+        try:
+            cap = parse_gb(args.cap)
+        except ValueError:
+            raise ValueError(f"--cap {args.cap!r}: expected a size like 8GB") from None
         if not (args.model / "config.json").exists():
             raise ValueError(f"--model {args.model}: no config.json; expected a checkpoint directory")
         if available():
