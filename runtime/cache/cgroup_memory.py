@@ -49,33 +49,38 @@ def _ancestors(path: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def _min_limit(base: Path, cgroup_path: str, filename: str) -> int | None:
-    limits = [v for rel in _ancestors(cgroup_path) if (v := _read_limit(base / rel / filename)) is not None]
-    return min(limits) if limits else None
+V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_file", "total_inactive_file"))
+V2_FILES = ("memory.max", "memory.current", ("active_file", "inactive_file"))
 
 
-def cgroup_limit_bytes(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup",
-                       platform: str | None = None) -> int | None:
-    """The memory limit of the process's cgroup (v1 or v2) in bytes, or None (see the module docstring)."""
+def _memory_levels(proc_cgroup: str | Path, root: str | Path, platform: str | None) -> list[tuple[Path, tuple]]:
+    """Every level of the process's memory cgroups, from its own up to each hierarchy's root, with that
+    hierarchy's (limit, usage, file-page fields) names; [] off Linux or without a readable /proc/self/cgroup."""
     if (platform or sys.platform) != "linux":
-        return None
+        return []
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
-        return None
+        return []
     root = Path(root)
-    limits = []
+    levels = []
     for line in lines:
         fields = line.split(":", 2)
         if len(fields) != 3:
             continue
         _, controllers, path = fields
         if "memory" in controllers.split(","):
-            limits.append(_min_limit(root / "memory", path, "memory.limit_in_bytes"))
+            levels += [(root / "memory" / rel, V1_FILES) for rel in _ancestors(path)]
         elif controllers == "":
-            for base in (root, root / "unified"):
-                limits.append(_min_limit(base, path, "memory.max"))
-    found = [v for v in limits if v is not None]
+            levels += [(base / rel, V2_FILES) for base in (root, root / "unified") for rel in _ancestors(path)]
+    return levels
+
+
+def cgroup_limit_bytes(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup",
+                       platform: str | None = None) -> int | None:
+    """The memory limit of the process's cgroup (v1 or v2) in bytes, or None (see the module docstring)."""
+    found = [v for level, (limit_file, _, _) in _memory_levels(proc_cgroup, root, platform)
+             if (v := _read_limit(level / limit_file)) is not None]
     return min(found) if found else None
 
 
@@ -102,28 +107,8 @@ def _level_available(level: Path, limit_file: str, usage_file: str, file_fields:
 def cgroup_available_bytes(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup",
                            platform: str | None = None) -> int | None:
     """What is left under the process's cgroup limits (see the module docstring), or None without a limit."""
-    if (platform or sys.platform) != "linux":
-        return None
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
-    root = Path(root)
-    found = []
-    for line in lines:
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        _, controllers, path = fields
-        if "memory" in controllers.split(","):
-            levels = [(root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                       ("total_active_file", "total_inactive_file")) for rel in _ancestors(path)]
-        elif controllers == "":
-            levels = [(base / rel, "memory.max", "memory.current", ("active_file", "inactive_file"))
-                      for base in (root, root / "unified") for rel in _ancestors(path)]
-        else:
-            continue
-        found += [v for args in levels if (v := _level_available(*args)) is not None]
+    found = [v for level, files in _memory_levels(proc_cgroup, root, platform)
+             if (v := _level_available(level, *files)) is not None]
     return min(found) if found else None
 
 
