@@ -36,9 +36,8 @@ from mlx_lm import load as mlx_load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from bench.decode_models import decode_model  # noqa: E402
 from runtime import load, stream_generate  # noqa: E402
-from runtime.checkpoints import make_tiny  # noqa: E402
-from runtime.checkpoints.embedded import embedded_pair  # noqa: E402
 from runtime.decode.warm import warm_start  # noqa: E402
 
 PROMPTS = [
@@ -170,13 +169,10 @@ def main() -> None:
     lines, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            if name == "embedded":
-                path = embedded_pair().target
-            elif name == "synthetic":
-                path = make_tiny(Path(tmp) / "synthetic", "qwen3_moe", seed=0, layers=12, n_experts=64, top_k=4,
-                                 hidden=384, expert_hidden=256)
-            else:
-                ap.error(f"--models: {name!r}; expected embedded or synthetic")
+            try:
+                path = decode_model(name, Path(tmp))
+            except ValueError as e:
+                ap.error(f"--models: {e}")
             table, results[name] = bench_model(name, path, args.budgets.split(","), modes, args.tokens,
                                                args.trials, rng)
             lines += table + [""]
