@@ -41,6 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.result_header import loadavg, write_result  # noqa: E402
 
 
 def prompts_for(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -122,19 +123,15 @@ def capped(args, way: str, cap: int, json_path: Path, log, timeout_s: float | No
            args.budget, "--streams", str(args.streams), "-n", str(args.max_tokens), "--prompt-tokens",
            str(args.prompt_tokens), "--io-mode", args.io_mode, "--json", str(json_path)]
     drop_file_cache(checkpoint_files(args.model))
-    load0 = _loadavg()
+    load0 = loadavg()
     with MemoryCgroup(cap) as cg:
         res = cg.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), timeout_s=timeout_s)
     out = {"way": way, "exit_code": res.exit_code, "oom_killed": res.oom_killed, "process_wall_s": res.wall_s,
            "cgroup_peak_gb": res.cgroup_peak_bytes / 1e9, "rss_peak_gb": res.rss_peak_bytes / 1e9,
-           "load_before": load0, "load_after": _loadavg()}
+           "load_before": load0, "load_after": loadavg()}
     if res.exit_code == 0 and json_path.exists():
         out.update(json.loads(json_path.read_text()))
     return out
-
-
-def _loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def med(xs, fmt="{:.3f}") -> str:
@@ -208,7 +205,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    load0, t0 = _loadavg(), time.time()
+    load0, t0 = loadavg(), time.time()
     tmp = Path(tempfile.mkdtemp(prefix="fullscale-batch-"))
     runs, skipped, last = [], [], {}
     with open(args.log or os.devnull, "a") as log:
@@ -227,14 +224,11 @@ def main(argv=None) -> int:
     text, summary = table(args, runs, skipped)
     record = {"bench": "batch_fullscale", "model": str(args.model), "cap": args.cap, "budget": args.budget,
               "streams": args.streams, "max_tokens": args.max_tokens, "repeats": args.repeats, "summary": summary,
-              "runs": runs, "load_average": {"before": load0, "after": _loadavg()}}
+              "runs": runs, "load_average": {"before": load0, "after": loadavg()}}
     text += "\n" + json.dumps(record)
     print(text)
     if args.out:
-        head = (f"# bench_batch_fullscale: {' '.join(sys.argv[1:] if argv is None else argv)} | "
-                f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(t0))} | load average before {load0}, after {_loadavg()}"
-                f" | wall {time.time() - t0:.0f} s" + (f" | {args.note}" if args.note else ""))
-        Path(args.out).write_text(head + "\n" + text + "\n")
+        write_result(args.out, "bench_batch_fullscale", argv, t0, load0, text, args.note)
     return 0
 
 

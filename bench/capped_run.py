@@ -38,6 +38,7 @@ from pathlib import Path
 
 from bench.fullscale_bandwidth import checkpoint_files, read_bandwidth
 from bench.fullscale_cgroup import CappedResult, MemoryCgroup, available, drop_file_cache, run_uncapped
+from bench.result_header import loadavg, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPT = "The history of the city begins"
@@ -222,10 +223,6 @@ def table(summary: dict) -> str:
     return "\n".join(lines + [f"# {n}" for n in summary["notes"]])
 
 
-def _loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="checkpoint directory (bench/fullscale_checkpoint.py writes one)")
@@ -255,20 +252,17 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    load0, t0 = _loadavg(), time.time()
+    load0, t0 = loadavg(), time.time()
     with open(args.log or os.devnull, "a") as log:
         summary = measure(model, caps=caps, budgets=[b for b in args.budgets.split(",") if b], n=args.max_tokens,
                           prompt=args.prompt, io_mode=args.io_mode, stock=args.stock, stock_capped=args.stock_capped,
                           bandwidth_bps=args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None, log=log,
                           io_compare=args.io_compare if args.io_compare != args.io_mode else None, io_repeats=args.io_repeats)
-    summary["load_average"] = {"before": load0, "after": _loadavg()}
+    summary["load_average"] = {"before": load0, "after": loadavg()}
     text = table(summary) + "\n" + json.dumps(summary)
     print(text)
     if args.out:
-        head = (f"# capped_run: {' '.join(sys.argv[1:] if argv is None else argv)} | "
-                f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(t0))} | load average before {load0}, after {_loadavg()}"
-                f" | wall {time.time() - t0:.0f} s" + (f" | {args.note}" if args.note else ""))
-        Path(args.out).write_text(head + "\n" + text + "\n")
+        write_result(args.out, "capped_run", argv, t0, load0, text, args.note)
     return 0
 
 

@@ -33,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.capped_run import DEFAULT_PROMPT, _env, _loadavg, parse_gb
+from bench.capped_run import DEFAULT_PROMPT, _env, parse_gb
+from bench.result_header import loadavg, write_result
 from bench.fullscale_bandwidth import checkpoint_files
 from bench.fullscale_cgroup import MemoryCgroup, available, drop_file_cache
 from bench.random_drafter import write_random_drafter
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    load0, t0 = _loadavg(), time.time()
+    load0, t0 = loadavg(), time.time()
     tmp = Path(tempfile.mkdtemp(prefix="fullscale-spec-"))
     draft = args.draft or write_random_drafter(tmp / "drafter", args.model, hidden=1024, layers=28, seed=3)
     pairs = []
@@ -142,13 +143,10 @@ def main(argv=None) -> int:
     text = table(pairs, summary) + "\n" + json.dumps(
         {"bench": "fullscale_speculative", "model": str(args.model), "draft": str(draft), "cap": args.cap,
          "budget": args.budget, "tokens": args.max_tokens, "summary": summary, "pairs": pairs,
-         "load_average": {"before": load0, "after": _loadavg()}})
+         "load_average": {"before": load0, "after": loadavg()}})
     print(text)
     if args.out:
-        head = (f"# fullscale_speculative: {' '.join(sys.argv[1:] if argv is None else argv)} | "
-                f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(t0))} | load average before {load0}, after {_loadavg()}"
-                f" | wall {time.time() - t0:.0f} s" + (f" | {args.note}" if args.note else ""))
-        Path(args.out).write_text(head + "\n" + text + "\n")
+        write_result(args.out, "fullscale_speculative", argv, t0, load0, text, args.note)
     return 0
 
 
