@@ -106,8 +106,9 @@ EVENT = st.one_of(
     st.tuples(st.just("step"), st.integers(1, 3)))
 
 
-def run_events(next_step, insert, remove, events) -> dict[int, list[int]]:
-    """Play a schedule (inserts, removals of the n-th inserted sequence, steps), then step to the end."""
+def run_events(next_step, insert, remove, events, shrink=None) -> dict[int, list[int]]:
+    """Play a schedule (inserts, removals of the n-th inserted sequence, steps, and with `shrink` governor
+    requests: ("shrink", n) calls shrink(n)), then step to the end."""
     uids, out = [], {}
     for kind, arg in events:
         if kind == "insert":
@@ -117,6 +118,8 @@ def run_events(next_step, insert, remove, events) -> dict[int, list[int]]:
         elif kind == "remove":
             if arg < len(uids):
                 remove([uids[arg]])
+        elif kind == "shrink":
+            shrink(arg)
         else:
             for _ in range(arg):
                 for r in next_step():

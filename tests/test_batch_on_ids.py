@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator
-from test_batch_generate import run_schedule, stock_runs  # noqa: F401 (stock_runs: the fixture)
+from test_batch_generate import run_events, run_schedule, stock_runs  # noqa: F401 (stock_runs: the fixture)
 
 from runtime.checkpoints.tiny import FAMILIES
 from runtime.decode.batch import BatchDecoder
@@ -125,29 +125,6 @@ def stock_qwen(tiny_dirs):
     return stock_load(str(tiny_dirs["qwen3_moe"]))[0]
 
 
-def _play(next_step, insert, remove, events, shrink) -> dict[int, list[int]]:
-    """run_events (tests/test_batch_generate.py) with governor requests among the events: shrink(n) plays them."""
-    uids, out = [], {}
-    for kind, arg in events:
-        if kind == "insert":
-            for uid in insert([p for p, _ in arg], [m for _, m in arg]):
-                uids.append(uid)
-                out[uid] = []
-        elif kind == "remove":
-            if arg < len(uids):
-                remove([uids[arg]])
-        elif kind == "shrink":
-            shrink(arg)
-        else:
-            for _ in range(arg):
-                for r in next_step():
-                    out[r.uid].append(r.token)
-    while responses := next_step():
-        for r in responses:
-            out[r.uid].append(r.token)
-    return out
-
-
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events=st.lists(SHRINK_EVENT, min_size=1, max_size=10))
 def test_random_schedules_with_shrinks_at_a_full_budget_equal_stock(events, tiny_dirs, stock_qwen):
@@ -155,13 +132,13 @@ def test_random_schedules_with_shrinks_at_a_full_budget_equal_stock(events, tiny
     starting at 100%: steps on ids until a layer shrinks, synced after; stock's tokens throughout."""
     gen = BatchGenerator(stock_qwen, stop_tokens=None)
     try:
-        expected = _play(gen.next_generated, gen.insert, gen.remove, events, lambda n: None)
+        expected = run_events(gen.next_generated, gen.insert, gen.remove, events, lambda n: None)
     finally:
         gen.close()
     om = OffloadedModel.load(tiny_dirs["qwen3_moe"], OffloadConfig(budget="100%"))
     try:
         with BatchDecoder(om) as dec:
-            got = _play(dec.next, dec.insert, dec.remove, events, om.cache.request_usable_slots)
+            got = run_events(dec.next, dec.insert, dec.remove, events, om.cache.request_usable_slots)
         assert got == expected
         assert all(int(om.cache.table.layers[l].held) == 0 for l in om.moe_layers)
     finally:
