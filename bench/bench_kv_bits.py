@@ -42,12 +42,8 @@ def run(engine, ids: list[int], n: int, kv_bits: int | None) -> dict:
 
 
 def agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens the two runs share."""
+    return len(os.path.commonprefix([a, b]))
 
 
 def main() -> None:
