@@ -34,6 +34,13 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def stress_dirs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
+    """The tiny checkpoints plus the dense qwen3 drafter the stress harnesses pair with them (read only)."""
+    drafter = make_tiny(tmp_path_factory.mktemp("stress") / "drafter", "qwen3", seed=9, layers=TINY["layers"])
+    return {**tiny_dirs, "drafter": drafter}
+
+
+@pytest.fixture(scope="session")
 def packed_dirs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("packed")
     return {fam: convert(src, root / fam) for fam, src in tiny_dirs.items()}

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.checkpoints.tiny import FAMILIES, make_tiny
+from runtime.checkpoints.tiny import FAMILIES
 from tests.bench_scripts import load_bench_script
-from tests.conftest import TINY
 
 CI_FAMILIES = ("qwen3_moe", "mixtral")  # plain KV + switch_mlp; a block_sparse_moe family
 EXAMPLES, STEPS = 30, 16  # the clean run in the default tier: ~30 engines, 16 steps each
@@ -32,10 +31,9 @@ mutations = load_bench_script("stress_lossless").MUTATIONS
 
 
 @pytest.fixture(scope="module")
-def refs(tiny_dirs, tmp_path_factory):
+def refs(stress_dirs):
     """Stock references over the suite's tiny checkpoints and the dense drafter, shared by the module's tests."""
-    drafter = make_tiny(tmp_path_factory.mktemp("stateful") / "drafter", "qwen3", seed=9, layers=TINY["layers"])
-    return machine.References({**tiny_dirs, "drafter": drafter})
+    return machine.References(stress_dirs)
 
 
 def _check_clean(refs, families, examples, steps) -> None:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.checkpoints.tiny import FAMILIES, make_tiny
+from runtime.checkpoints.tiny import FAMILIES
 from tests.bench_scripts import load_bench_script
-from tests.conftest import TINY
 
 N_SCHEDULES = 32
 
@@ -22,10 +21,9 @@ harness = load_bench_script("stress_schedules")
 
 
 @pytest.fixture(scope="module")
-def refs(tiny_dirs, tmp_path_factory):
+def refs(stress_dirs):
     """Stock references over the suite's tiny checkpoints and the dense drafter, shared by the module's tests."""
-    drafter = make_tiny(tmp_path_factory.mktemp("stress") / "drafter", "qwen3", seed=9, layers=TINY["layers"])
-    return harness.References({**tiny_dirs, "drafter": drafter})
+    return harness.References(stress_dirs)
 
 
 def test_the_schedules_cover_every_family_budget_mode_and_sampling():

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.checkpoints.tiny import make_tiny
 from tests.bench_scripts import load_bench_script
-from tests.conftest import TINY
 
 # Schedules (from seed 0) within which each defect must make one fail: about twice what was measured here from
 # seed 0 (8, 16, 1, 1). From seeds 1000, 2000, 3000, 4000 (bench/results/stress_lossless.txt): at most 19, 87, 4, 4.
@@ -26,9 +24,8 @@ mutations = load_bench_script("stress_lossless").MUTATIONS
 
 
 @pytest.fixture(scope="module")
-def refs(tiny_dirs, tmp_path_factory):
-    drafter = make_tiny(tmp_path_factory.mktemp("stress") / "drafter", "qwen3", seed=9, layers=TINY["layers"])
-    return harness.References({**tiny_dirs, "drafter": drafter})
+def refs(stress_dirs):
+    return harness.References(stress_dirs)
 
 
 @pytest.mark.parametrize("name", list(WITHIN))
