@@ -11,7 +11,8 @@ runs while forward n+1 computes.
 Invariant: the yielded tokens equal generate_step's on the resident model (greedy); a forward
 is queued only after the token it consumes was accepted; when the generator stops early (closed,
 an error) a queued forward is finished (repaired if need be: a kept prompt cache stays right) and
-its hold released.
+its hold released; with after_last off, a generation that reaches max_tokens builds one forward per
+token it yields and none after the last (whose KV nobody keeps).
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
                             prefill_step_size: int = 2048, prompt_progress_callback: Callable | None = None,
                             kv_bits: int | None = None, kv_group_size: int = 64,
                             quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-                            after_prefill: Callable[[], None] | None = None) -> Iterator[tuple[int, mx.array]]:
+                            after_prefill: Callable[[], None] | None = None,
+                            after_last: bool = True) -> Iterator[tuple[int, mx.array]]:
     """generate_step's arguments that apply here (prompt_cache, prefill_step_size, prompt_progress_callback,
-    kv_bits, kv_group_size, quantized_kv_start), plus the DevicePass to use and a call after the prefill."""
+    kv_bits, kv_group_size, quantized_kv_start), plus the DevicePass to use and a call after the prefill.
+    `after_last`: also run the forward that feeds the last token (as generate_step: its KV for a kept cache, its
+    routing for a trace). Off, the generation ends with its last token: that forward is never built, so nothing
+    waits for it (a whole token's compute, which the last token's delivery and the decode time would include)."""
     model = om.model
     dp = device_pass or DevicePass(om)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
@@ -74,10 +79,10 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
         progress(total, total)
         n = 0
         while n < max_tokens:
-            # Queued before this token's bookkeeping and yield; as generate_step, also after the last
-            # token (its routing completes the sequence's trace).
-            if not dp.pending:  # else: built early on this token's lazy output, and this token stood
-                dp.launch(step(token), cache, 1)
+            # Queued before this token's bookkeeping and yield; with after_last (as generate_step) also after
+            # the last token (its KV for a kept cache, its routing completes the sequence's trace).
+            if not dp.pending and (after_last or n + 1 < max_tokens):  # else: built early on this token's
+                dp.launch(step(token), cache, 1)  # lazy output (and this token stood), or not wanted
             dp.flush(defer=n > 0)  # the first forward's record is booked before its token is counted
             yield token.item(), logprobs
             n += 1
@@ -86,8 +91,10 @@ def offloaded_generate_step(om, prompt: mx.array, *, max_tokens: int, sampler: C
             # As generate_step: the forward after this one is queued before this one's sync
             # (runtime/decode/next_forward.py) -- but not the build that quantizes the KV (--kv-bits): were
             # it dropped, this forward's repair would read quantized keys stock read unquantized.
-            if n < max_tokens and not quantizes_next(cache):
+            if (n + 1 < max_tokens or after_last and n < max_tokens) and not quantizes_next(cache):
                 dp.launch_next(lambda out: step(out[0]))
+            if not dp.pending:
+                break  # the last token, and no forward after it (after_last off)
             token, logprobs = dp.finish()
     finally:
         dp.settle()  # stopped early (eos, close, an error): the queued forward is finished, its KV right

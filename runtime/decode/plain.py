@@ -129,6 +129,10 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
     forward = model  # prefill chunks run here (a prompt cache prefills itself)
     device = om is not None and (one_sync == "on" or one_sync == "auto" and holds_every_expert(om))
     dp = DevicePass(om) if device else None
+    # The forward after the last token only matters to a kept cache (that token's KV) and to whoever records routing
+    # (a trace, an observer); else it is not built (runtime/decode/offloaded_step.py: the last token does not wait).
+    after_last = device and (prompt_cache is not None or (om.telemetry is not None and om.telemetry.tracing)
+                             or any(m.observer is not None for m in om.modules.values()))
     mx.reset_peak_memory()
     c0 = _counters(om)
     t0 = time.perf_counter()
@@ -140,7 +144,8 @@ def stream_tokens(model, prompt_ids: list[int], *, max_tokens: int, temp: float 
             return generate_step(prompt, model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache, **prefill,
                                  **kv_options)
         return offloaded_generate_step(om, prompt, max_tokens=max_tokens, sampler=sampler, device_pass=dp,
-                                       prompt_cache=cache, after_prefill=om.cache.settle_inflight, **prefill, **kv_options)
+                                       prompt_cache=cache, after_prefill=om.cache.settle_inflight, after_last=after_last,
+                                       **prefill, **kv_options)
 
     tokens, t_first, c1 = [], None, None
     reused = prompt_cache.reuse(prompt_ids) if prompt_cache is not None else 0
