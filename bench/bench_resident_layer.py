@@ -143,7 +143,9 @@ def main() -> None:
         print(json.dumps(_child_layer(args.model, args.layer_calls, 0)))
         return
     if args.tokens < 5:
-        raise SystemExit("--tokens: expected >= 5")
+        ap.error(f"--tokens {args.tokens}: expected >= 5 (CPU is measured over tokens 3..N and 3..N-1)")
+    if not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there; expected an mlx-lm checkpoint directory")
     load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     runs = {k: [] for k in KINDS}
