@@ -69,6 +69,7 @@ run profile specmoe profile -m "$TARGET" --prompts "$PROFILE_TEXT" --decode-toke
 run sweep_cache specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --plot docs/img/cache.png --json "$OUT/sweep_cache.json"
 run sweep_cache_readless specmoe sweep cache --trace "$OUT/embedded.smtrace" --window 4 --json "$OUT/sweep_cache_readless.json"
 run readless_replay python bench/bench_readless.py --skip-live
+run policy_no_locality python bench/bench_policy_no_locality.py --tokens 300 --seeds 0,1,2
 retired readless_live "the live router lookahead: slower or within the noise"
 retired readless_speculative "the router lookahead past the cutoff: slower"
 run speculative python bench/bench_speculative.py --repeats 3

@@ -93,3 +93,22 @@ def test_the_victim_is_the_lowest_score_then_the_least_recent():
         candidates = sorted(rng.choice(16, size=int(rng.integers(1, 17)), replace=False).tolist())
         expected = min(candidates, key=lambda s: (policy.score(policy._expert[s]), policy._last[s]))
         assert policy.victim(candidates) == expected
+
+
+def _looping_routing(seed: int = 0) -> list[np.ndarray]:
+    """Greedy text of a random-weight model loops: phases of 60 tokens, each routed within its own 8 experts."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(8):
+        ws = rng.choice(32, 8, replace=False)
+        rows += [rng.choice(ws, 2, replace=False) for _ in range(60)]
+    return [np.stack(rows)]
+
+
+def test_dlfu_follows_lru_when_the_shadow_lru_misses_less(monkeypatch):
+    seqs = _looping_routing()
+    lru, dlfu = replay(seqs, 32, 8, "lru").misses, replay(seqs, 32, 8, "dlfu").misses
+    assert dlfu <= 1.3 * lru
+    # Without the shadow LRU (it never looks better), dlfu keeps each phase's stale experts and thrashes.
+    monkeypatch.setattr(DecayedLFUPolicy, "_shadow_use", lambda self, e: setattr(self, "_lru_misses", self._lru_misses + 1.0))
+    assert replay(seqs, 32, 8, "dlfu").misses > 3 * lru
