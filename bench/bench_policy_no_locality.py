@@ -7,7 +7,8 @@ Random-weight checkpoints, one per --seeds value and --models kind:
 Each greedily decodes each bench prompt for --tokens tokens with the routing trace on (what `specmoe profile
 --trace` records); each (checkpoint, prompt) trace is
 replayed through the live cache's SlotTable at each --fractions cache size, plain decode (window 1), next to the
-embedded pair's recorded trace (bench/results/embedded.smtrace) at the same sizes.
+embedded pair's recorded trace (bench/results/embedded.smtrace) at the same sizes. dlfu-no-guard is dlfu
+without its shadow-LRU guard (runtime/cache/decayed_lfu.py), for the before/after.
 Rows: misses per token over all traces, and the per-trace ratio to LRU, median (min-max over traces).
 Misses are counted by replay, so they do not depend on machine load.
 """
@@ -23,13 +24,22 @@ from pathlib import Path
 
 from unittest import mock
 
+from runtime.cache.decayed_lfu import DecayedLFUPolicy
+from runtime.cache.policy import POLICIES as REGISTRY
 from runtime.checkpoints import make_tiny
 from runtime.decode import OffloadConfig, OffloadedModel
 from runtime.observe import RoutingTrace, trace_of
 from runtime.tune import replay, run_workload
 
 ROOT = Path(__file__).resolve().parent
-POLICIES = ("lru", "lfu", "dlfu")
+POLICIES = ("lru", "lfu", "dlfu", "dlfu-no-guard")
+
+
+class UnguardedDLFU(DecayedLFUPolicy):
+    """dlfu without its shadow-LRU guard (the shadow never looks better): the policy before the guard."""
+
+    def _shadow_use(self, e: int) -> None:
+        self._lru_misses += 1.0
 
 
 def loadavg() -> str:
@@ -80,10 +90,11 @@ def misses(trace: RoutingTrace, fraction: float) -> dict:
     n = trace.n_experts
     slots = int(round(fraction * n))
     tot = dict.fromkeys(POLICIES, 0)
-    for i in range(len(trace.moe_layers)):
-        seqs = [s for s in trace.layer(i) if len(s)]
-        for p in POLICIES:
-            tot[p] += replay(seqs, n, slots, p, 1).misses
+    with mock.patch.dict(REGISTRY, {"dlfu-no-guard": UnguardedDLFU}):
+        for i in range(len(trace.moe_layers)):
+            seqs = [s for s in trace.layer(i) if len(s)]
+            for p in POLICIES:
+                tot[p] += replay(seqs, n, slots, p, 1).misses
     return {p: v / trace.n_tokens for p, v in tot.items()}
 
 
@@ -98,7 +109,7 @@ def table(name: str, traces: list[RoutingTrace], fractions: list[float]) -> dict
         print(f"{name} at {f:.0%}: misses/token (all traces), vs LRU per trace median (min-max over {len(per)})")
         for p in POLICIES:
             r = ratio[p]
-            print(f"  {p:<5}{tot[p]:>8.2f}   {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})")
+            print(f"  {p:<14}{tot[p]:>8.2f}   {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})")
         res[f"{f:g}"] = {"per_token": tot, "vs_lru": ratio}
     return res
 
