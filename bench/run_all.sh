@@ -11,6 +11,10 @@
 # Every README number has a line here; tests/test_readme_results.py checks that each result file the
 # README's "Measured" sections cite exists and is written by a line of this script.
 set -euo pipefail
+if (( $# )); then  # settings come from the environment (ONLY, LIST, CHECK, OUT, ...), never from arguments
+  [[ $1 == -h || $1 == --help ]] && { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0; }
+  echo "run_all.sh: takes no arguments, got '$*'; expected settings in the environment (see: bash $0 --help)" >&2; exit 2
+fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the `specmoe` script and benches import this checkout
 OUT=${OUT:-bench/results}
