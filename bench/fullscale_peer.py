@@ -25,8 +25,12 @@ pairs of runs, alternating which engine goes first, each run starting cold (both
 from the page cache). specmoe runs `generate --budget B` as bench/capped_run.py does; the peer runs with
 an expert cache of the same size. Each run's tokens are compared with stock mlx-lm's resident tokens
 read from `--reference` (a capped_run result file; its "stock resident" tokens, same prompt and n).
-Reported: per run tok/s, TTFT, cgroup and RSS peaks, hit rate, tokens equal; then per engine the median
-[min-max] and the per-pair ratios specmoe/peer of decode tok/s and peer/specmoe of TTFT.
+Reported: per run tok/s, TTFT, cgroup and RSS peaks, decode hit rate and MB read per token (the peer:
+its store's decode misses x bytes per expert), tokens equal; then per engine the median [min-max] and
+the per-pair ratios specmoe/peer of decode tok/s and peer/specmoe of TTFT. Both decode loops build step
+n+1 before yielding token n; the peer's build runs every MoE layer (each reads its ids back), so its
+TTFT is the time its own loop takes to deliver the first token (prefill and the second token's step),
+and its decode rate counts n-1 tokens over n-1 steps, as specmoe's does.
 
 Invariants: this module imports neither mlx-vlm nor specmoe at module level (the driver runs under the
 project's python, the runner under the venv's); a run that fails or is killed is a row with its exit
@@ -103,10 +107,12 @@ def peer_run(offload_dir: Path, prompt: str, max_tokens: int, expert_cache_gb: f
     t_end = time.perf_counter()
     end = store.stats()
     hits, misses = end["hits"] - at_first["hits"], end["misses"] - at_first["misses"]
+    expert_bytes = end["resident_bytes"] / end["resident_experts"] if end["resident_experts"] else 0.0  # all equal
     decode_s = t_end - t_first
     return {"tokens": tokens, "n_prompt_tokens": len(ids), "prefill_s": t_first - t0, "decode_s": decode_s,
             "tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else 0.0, "load_s": load_s,
-            "hit_rate": hits / (hits + misses) if hits + misses else 1.0, "store": end}
+            "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "mb_read_per_token": misses * expert_bytes / 1e6 / max(1, len(tokens) - 1), "store": end}
 
 
 # ---- the driver (the project's python) -----------------------------------------------------------
@@ -123,6 +129,7 @@ class Run:
     cgroup_peak_gb: float = 0.0  # memory.max_usage_in_bytes of the cgroup
     rss_peak_gb: float = 0.0  # the command's peak RSS
     hit_rate: float = 0.0  # decode expert-cache hit rate
+    mb_per_token: float = 0.0  # decode expert MB read per token (the peer: misses x bytes per expert)
     tokens_equal: str = "n/a"  # vs stock mlx-lm's resident tokens: yes / no / n/a
     wall_s: float = 0.0  # the command's wall time (load included)
 
@@ -158,6 +165,7 @@ def make_run(engine: str, repeat: int, first: bool, capped, result: dict | None,
         return run
     stats = result.get("detail") or result  # specmoe generate --json keeps its stats under "detail"
     run.tok_s, run.ttft_s, run.hit_rate = stats["tokens_per_s"], stats["prefill_s"], stats.get("hit_rate", 0.0)
+    run.mb_per_token = stats.get("mb_read_per_token", 0.0)
     run.tokens_equal = tokens_equal(result["tokens"], reference)
     return run
 
@@ -178,7 +186,7 @@ def summarize(runs: list[Run]) -> dict:
                       "tokens_equal": "yes" if mine and all(r.tokens_equal == "yes" for r in mine)
                       else ("no" if any(r.tokens_equal == "no" for r in mine) else "n/a")}
         if mine:
-            for field in ("tok_s", "ttft_s", "cgroup_peak_gb", "rss_peak_gb", "hit_rate"):
+            for field in ("tok_s", "ttft_s", "cgroup_peak_gb", "rss_peak_gb", "hit_rate", "mb_per_token"):
                 engines[e][field] = _spread([getattr(r, field) for r in mine])
     pairs = {}
     for r in ok:
@@ -191,21 +199,29 @@ def summarize(runs: list[Run]) -> dict:
     return out
 
 
+def _spread_text(spread: dict, fmt: str) -> str:
+    return f"{spread['median']:{fmt}} [{spread['min']:{fmt}}-{spread['max']:{fmt}}]"
+
+
+def _row_text(r: Run) -> str:
+    return (f"{r.repeat + 1:<5}{r.engine:<9}{'yes' if r.first else 'no':>6}{r.exit_code:>6}{r.tok_s:>8.3f}"
+            f"{r.ttft_s:>8.1f}{r.cgroup_peak_gb:>7.2f}{r.rss_peak_gb:>7.2f}{r.hit_rate:>6.0%}{r.mb_per_token:>8.1f}"
+            f"{r.tokens_equal:>6}{r.wall_s:>8.0f}" + ("  OOM-killed" if r.oom_killed else ""))
+
+
 def table(runs: list[Run], summary: dict) -> str:
-    lines = [f"{'pair':<5}{'engine':<9}{'first':>6}{'exit':>6}{'tok/s':>8}{'TTFT s':>8}{'cg GB':>7}{'RSS GB':>7}"
-             f"{'hit':>6}{'equal':>6}{'wall s':>8}"]
-    for r in runs:
-        lines.append(f"{r.repeat + 1:<5}{r.engine:<9}{'yes' if r.first else 'no':>6}{r.exit_code:>6}{r.tok_s:>8.3f}"
-                     f"{r.ttft_s:>8.1f}{r.cgroup_peak_gb:>7.2f}{r.rss_peak_gb:>7.2f}{r.hit_rate:>6.0%}{r.tokens_equal:>6}"
-                     f"{r.wall_s:>8.0f}" + ("  OOM-killed" if r.oom_killed else ""))
+    lines = [(f"{'pair':<5}{'engine':<9}{'first':>6}{'exit':>6}{'tok/s':>8}{'TTFT s':>8}{'cg GB':>7}{'RSS GB':>7}"
+              f"{'hit':>6}{'MB/tok':>8}{'equal':>6}{'wall s':>8}")]
+    lines += [_row_text(r) for r in runs]
     for e, s in summary["engines"].items():
         if "tok_s" not in s:
             lines.append(f"# {e}: no successful run ({s['runs']} runs, {s['oom_killed']} OOM-killed)")
             continue
-        f = lambda k, fmt: f"{s[k]['median']:{fmt}} [{s[k]['min']:{fmt}}-{s[k]['max']:{fmt}}]"  # noqa: E731
-        lines.append(f"# {e}: tok/s {f('tok_s', '.3f')}, TTFT s {f('ttft_s', '.1f')}, cgroup peak GB "
-                     f"{f('cgroup_peak_gb', '.2f')}, RSS peak GB {f('rss_peak_gb', '.2f')}, hit {f('hit_rate', '.2f')}; "
-                     f"{s['ok']}/{s['runs']} runs ok; tokens equal to stock: {s['tokens_equal']}")
+        lines.append(f"# {e}: tok/s {_spread_text(s['tok_s'], '.3f')}, TTFT s {_spread_text(s['ttft_s'], '.1f')}, "
+                     f"cgroup peak GB {_spread_text(s['cgroup_peak_gb'], '.2f')}, RSS peak GB "
+                     f"{_spread_text(s['rss_peak_gb'], '.2f')}, hit {_spread_text(s['hit_rate'], '.2f')}, MB/token "
+                     f"{_spread_text(s['mb_per_token'], '.0f')}; {s['ok']}/{s['runs']} runs ok; tokens equal to stock: "
+                     f"{s['tokens_equal']}")
     if summary["n_pairs"]:
         t, q = summary["tok_s_ratio"], summary["ttft_ratio"]
         lines.append(f"# specmoe/peer decode tok/s: median {t['median']:.2f}x [{t['min']:.2f}-{t['max']:.2f}] over "

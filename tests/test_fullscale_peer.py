@@ -20,9 +20,9 @@ import pytest
 from tests.bench_scripts import BENCH
 
 sys.path.insert(0, str(BENCH.parent))
-from bench import fullscale_peer  # noqa: E402
-from bench.fullscale_cgroup import CappedResult, available  # noqa: E402
-from bench.result_header import write_result  # noqa: E402
+from bench import fullscale_peer
+from bench.fullscale_cgroup import CappedResult, available
+from bench.result_header import write_result
 
 Run = fullscale_peer.Run
 PEER_PYTHON = os.environ.get("SPECMOE_PEER_PYTHON", "/tmp/venv-vlm/bin/python")
@@ -31,9 +31,9 @@ PEER_PYTHON = os.environ.get("SPECMOE_PEER_PYTHON", "/tmp/venv-vlm/bin/python")
 def _runs() -> list:
     """Three pairs as the driver records them (pair 2 with the peer first); pair 3's peer was OOM-killed."""
     return [Run("specmoe", 0, True, 0, False, tok_s=0.30, ttft_s=20.0, cgroup_peak_gb=6.1, rss_peak_gb=5.1,
-                hit_rate=0.23, tokens_equal="yes"),
+                hit_rate=0.23, mb_per_token=868.0, tokens_equal="yes"),
             Run("peer", 0, False, 0, False, tok_s=0.20, ttft_s=30.0, cgroup_peak_gb=8.0, rss_peak_gb=5.5,
-                hit_rate=0.20, tokens_equal="yes"),
+                hit_rate=0.20, mb_per_token=900.0, tokens_equal="yes"),
             Run("peer", 1, True, 0, False, tok_s=0.25, ttft_s=40.0, cgroup_peak_gb=7.9, rss_peak_gb=5.6,
                 hit_rate=0.20, tokens_equal="no"),
             Run("specmoe", 1, False, 0, False, tok_s=0.20, ttft_s=25.0, cgroup_peak_gb=6.0, rss_peak_gb=5.1,
@@ -77,13 +77,14 @@ def test_make_run_reads_specmoe_detail_and_the_peer_fields():
     capped = CappedResult(exit_code=0, wall_s=90.0, cgroup_peak_bytes=6_000_000_000, rss_peak_bytes=5_000_000_000,
                           oom_killed=False, limit_bytes=8_000_000_000)
     spec = fullscale_peer.make_run("specmoe", 0, True, capped, {"tokens": [1, 2, 3], "detail": {
-        "tokens_per_s": 0.3, "prefill_s": 20.0, "hit_rate": 0.25}}, [1, 2, 3, 4])
+        "tokens_per_s": 0.3, "prefill_s": 20.0, "hit_rate": 0.25, "mb_read_per_token": 868.0}}, [1, 2, 3, 4])
     peer = fullscale_peer.make_run("peer", 0, False, capped, {"tokens": [1, 2, 9], "tokens_per_s": 0.2, "prefill_s": 30.0,
-                                                            "hit_rate": 0.2}, [1, 2, 3, 4])
+                                                            "hit_rate": 0.2, "mb_read_per_token": 900.0}, [1, 2, 3, 4])
     failed = fullscale_peer.make_run("peer", 1, True, CappedResult(-9, 10.0, 8_000_000_000, 7_900_000_000, True, 0),
                                      None, [1, 2, 3])
     assert (spec.tok_s, spec.ttft_s, spec.hit_rate, spec.tokens_equal, spec.cgroup_peak_gb) == (0.3, 20.0, 0.25, "yes", 6.0)
-    assert (peer.tok_s, peer.ttft_s, peer.tokens_equal, peer.rss_peak_gb) == (0.2, 30.0, "no", 5.0)
+    assert (peer.tok_s, peer.ttft_s, peer.tokens_equal, peer.rss_peak_gb, peer.mb_per_token) == (0.2, 30.0, "no", 5.0, 900.0)
+    assert spec.mb_per_token == 868.0
     assert (failed.exit_code, failed.oom_killed, failed.tok_s, failed.tokens_equal) == (-9, True, 0.0, "n/a")
     assert fullscale_peer.tokens_equal([1, 2, 3, 4, 5], [1, 2, 3, 4]) == "n/a"  # longer than the reference
     assert fullscale_peer.tokens_equal([1], None) == "n/a"
@@ -96,7 +97,7 @@ def test_table_lists_every_run_then_the_ratio(tmp_path):
     assert len([line for line in lines if not line.startswith("#")]) == 1 + len(runs)
     assert lines[3].split()[:4] == ["2", "peer", "yes", "0"] and lines[6].endswith("OOM-killed")
     assert "# specmoe/peer decode tok/s: median 1.15x [0.80-1.50] over 2 pairs" in text
-    assert "# peer: tok/s 0.225 [0.200-0.250]" in text and "2/3 runs ok; tokens equal to stock: no" in text
+    assert "# peer: tok/s 0.225 [0.200-0.250]" in text and "MB/token 450 [0-900]" in text and "2/3 runs ok; tokens equal to stock: no" in text
     killed = [Run("specmoe", 0, True, 0, False, tok_s=0.3, ttft_s=20.0), Run("peer", 0, False, -9, True)]
     text = fullscale_peer.table(killed, fullscale_peer.summarize(killed))
     assert "# peer: no successful run (1 runs, 1 OOM-killed)" in text and "# no complete pair: no ratio" in text
@@ -147,7 +148,7 @@ def test_the_runner_names_a_missing_mlx_vlm_or_repack(tmp_path, capsys):
 def _peer_python_skip() -> str | None:
     if not Path(PEER_PYTHON).is_file():
         return f"no python with mlx-vlm at {PEER_PYTHON} (set SPECMOE_PEER_PYTHON)"
-    probe = subprocess.run([PEER_PYTHON, "-c", "import mlx_vlm.moe_offload"], capture_output=True, text=True)
+    probe = subprocess.run([PEER_PYTHON, "-c", "import mlx_vlm.moe_offload"], capture_output=True, text=True, check=False)
     if probe.returncode:
         return f"{PEER_PYTHON} cannot import mlx_vlm.moe_offload"
     return available()
@@ -181,5 +182,5 @@ def test_compare_under_a_cap_on_a_small_checkpoint(tmp_path):
                                                                     ("peer", True), ("specmoe", False)]
     for r in summary["runs"]:
         assert r["exit_code"] == 0 and r["tokens_equal"] == "yes" and r["tok_s"] > 0
-        assert 0 < r["cgroup_peak_gb"] <= 1.0 and r["hit_rate"] < 1.0  # a cache smaller than the experts misses
+        assert 0 < r["cgroup_peak_gb"] <= 1.0 and r["hit_rate"] < 1.0 and r["mb_per_token"] > 0  # a small cache misses
     assert summary["n_pairs"] == 2 and summary["tok_s_ratio"]["min"] > 0
