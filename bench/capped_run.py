@@ -18,6 +18,9 @@ TTFT limit. Rows:
     specmoe B MODE       (--io-compare MODE) the first budget under the smallest cap, --io-repeats pairs of
                          runs in --io-mode and in MODE, alternating which goes first; a note gives each
                          mode's median tok/s [min-max] and their ratio
+With --repeats N the resident specmoe 100% row and every capped specmoe row run N times, in rounds (round r:
+100% resident, then each cap x budget), and a note per cap x budget gives the ratio to the limit paired by
+round: each run's limit uses its own round's resident compute, so a load change that slows both cancels.
 Peak memory is the cgroup's (process + charged page cache) and the command's peak RSS (VmHWM).
 
 Output: a table, then one JSON line; --out writes both with a first line naming the command, the date
@@ -133,7 +136,7 @@ def _row(name: str, cap: int | None, res: CappedResult, result: dict | None, ref
 
 def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt: str, io_mode: str, stock: bool,
             stock_capped: bool, bandwidth_bps: float | None, log, io_compare: str | None = None,
-            io_repeats: int = 2) -> dict:
+            io_repeats: int = 2, repeats: int = 1) -> dict:
     """All rows of one checkpoint (see the module docstring)."""
     import psutil
 
@@ -162,6 +165,7 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
     elif stock:
         notes.append(f"stock resident: not runnable here ({psutil.virtual_memory().available / 1e9:.1f} GB available, "
                      f"the model is {size / 1e9:.1f} GB)")
+    rounds = []  # per round: (resident specmoe 100% result, [(capped row, its result)])
     resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / "full.json"), tmp / "full.json",
                   None) if fits() else None
     ref_stock = results.get("stock resident") or {}
@@ -173,12 +177,19 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
     prefill_s = min(prefill.values(), default=0.0)
     notes.append("compute per token (resident, no cap): " + ", ".join(f"{k} {v:.3f} s" for k, v in per_token.items())
                  + "; prefill: " + ", ".join(f"{k} {v:.2f} s" for k, v in prefill.items()) + "; the limits use the smaller")
-    for cap in caps:
-        for budget in budgets:
-            j = tmp / f"capped-{cap}-{budget.replace('%', 'pct')}.json"
-            go(f"specmoe {budget}", specmoe_cmd(model, prompt, n, budget, io_mode, j), j, cap)
-        if stock_capped:
-            go("stock", stock_cmd(model, prompt, n, tmp / f"stock-{cap}.json"), tmp / f"stock-{cap}.json", cap)
+    for r in range(repeats):
+        if r:  # the next round's resident compute (round 0's is the row above)
+            resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / f"full{r}.json"),
+                          tmp / f"full{r}.json", None) if fits() else None
+        capped = []
+        for cap in caps:
+            for budget in budgets:
+                j = tmp / f"capped-{cap}-{budget.replace('%', 'pct')}-{r}.json"
+                go(f"specmoe {budget}", specmoe_cmd(model, prompt, n, budget, io_mode, j), j, cap)
+                capped.append(entries[-1])
+            if stock_capped and r == 0:
+                go("stock", stock_cmd(model, prompt, n, tmp / f"stock-{cap}.json"), tmp / f"stock-{cap}.json", cap)
+        rounds.append((resident, capped))
     if io_compare and caps and budgets:  # interleaved pairs: the same budget and cap, each I/O mode
         cap, budget = min(caps), budgets[0]
         for i in range(io_repeats):
@@ -194,9 +205,33 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
         unique = (_stats(result).get("prefill") or {}).get("unique_bytes", 0)
         row.ttft_limit_s = ttft_limit_s(prefill_s, unique, bandwidth_bps)
         row.ttft_x = row.ttft_s / row.ttft_limit_s if row.ttft_limit_s else 0.0
+    if repeats > 1:
+        notes += paired_notes(rounds, bandwidth_bps)
     return {"model": str(model), "checkpoint_gb": size / 1e9, "bandwidth_gbps": bandwidth_bps / 1e9,
             "compute_s_per_token": compute_s, "prefill_compute_s": prefill_s, "notes": notes,
             "rows": [asdict(r) for r, _ in entries], "tokens": {k: v.get("tokens") for k, v in results.items()}}
+
+
+def paired_notes(rounds: list, bandwidth_bps: float) -> list[str]:
+    """Per cap x budget: tok/s and the ratio to the limit over the rounds, each run's limit from its own round's
+    resident compute, as median (min-max)."""
+    import statistics
+
+    by_run: dict = {}
+    for resident, capped in rounds:
+        rate = _stats(resident).get("tokens_per_s") if resident else None
+        for row, result in capped:
+            if not result or not rate:
+                continue
+            limit = 1 / decode_limit_s(1 / rate, row.mb_per_token, bandwidth_bps)
+            by_run.setdefault((row.run, row.cap_gb), []).append((row.tok_s, row.tok_s / limit))
+    lines = []
+    for (run, cap), v in by_run.items():
+        rates, ratios = [t for t, _ in v], [x for _, x in v]
+        lines.append(f"paired by round ({run} @ {cap:.1f} GB, {len(v)} rounds): {statistics.median(rates):.3f} tok/s "
+                     f"[{min(rates):.3f}-{max(rates):.3f}], ratio to the limit {statistics.median(ratios):.2f} "
+                     f"({min(ratios):.2f}-{max(ratios):.2f})")
+    return lines
 
 
 def io_note(entries, budget: str, modes: tuple[str, str]) -> str:
@@ -234,6 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--io-compare", default=None, choices=["buffered", "direct"],
                     help="also run the first budget under the smallest cap in this I/O mode and --io-mode, interleaved")
     ap.add_argument("--io-repeats", type=int, default=2, help="pairs of --io-compare runs")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the resident 100%% row and every capped specmoe row; each capped run's ratio is "
+                         "paired with its own round's resident compute (a note per cap x budget)")
     ap.add_argument("--no-stock", dest="stock", action="store_false", help="skip the stock resident reference")
     ap.add_argument("--stock-capped", action="store_true", help="also run stock mlx-lm under each cap")
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="use this disk bandwidth instead of measuring it")
@@ -246,6 +284,8 @@ def main(argv=None) -> int:
         model = Path(args.model)
         if not (model / "config.json").exists():
             raise ValueError(f"--model {model}: no config.json; expected a checkpoint directory")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats {args.repeats}: expected >= 1")
         why = available() if caps else None
         if why:
             raise ValueError(f"--caps need a memory cgroup: {why}")
@@ -257,7 +297,8 @@ def main(argv=None) -> int:
         summary = measure(model, caps=caps, budgets=[b for b in args.budgets.split(",") if b], n=args.max_tokens,
                           prompt=args.prompt, io_mode=args.io_mode, stock=args.stock, stock_capped=args.stock_capped,
                           bandwidth_bps=args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None, log=log,
-                          io_compare=args.io_compare if args.io_compare != args.io_mode else None, io_repeats=args.io_repeats)
+                          io_compare=args.io_compare if args.io_compare != args.io_mode else None, io_repeats=args.io_repeats,
+                          repeats=args.repeats)
     summary["load_average"] = {"before": load0, "after": loadavg()}
     text = table(summary) + "\n" + json.dumps(summary)
     print(text)

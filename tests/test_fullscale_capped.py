@@ -52,9 +52,27 @@ def test_capped_run_rows_on_a_small_checkpoint(tmp_path, capsys):
     assert "specmoe 100%" in capsys.readouterr().out
 
 
+def test_paired_ratios_use_each_rounds_own_resident_compute():
+    def row(tok_s):
+        return capped_run.Row("specmoe 4GB", 8.0, 0, False, tok_s=tok_s, mb_per_token=200.0)
+
+    # Round 1 ran twice as slow resident (a loaded machine) and capped: paired, its ratio stays near round 0's
+    # (0.84 vs 0.88) where one global compute would put it at 0.44.
+    rounds = [({"tokens_per_s": 0.5}, [(row(0.4), {"tokens": [1]})]),
+              ({"tokens_per_s": 0.25}, [(row(0.2), {"tokens": [1]})]),
+              (None, [(row(0.1), {"tokens": [1]})])]  # no resident run this round: not paired
+    (note,) = capped_run.paired_notes(rounds, 1e9)
+    limit0 = 1 / (2.0 + 0.2)
+    assert note.startswith("paired by round (specmoe 4GB @ 8.0 GB, 2 rounds): 0.300 tok/s [0.200-0.400]")
+    assert note.endswith(f"ratio to the limit 0.86 ({0.2 * 4.2:.2f}-{0.4 / limit0:.2f})")
+
+
 def test_capped_run_refuses_bad_input(tmp_path, capsys):
     assert capped_run.main(["--model", str(tmp_path), "--caps", "8GB"]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert capped_run.main(["--model", str(tmp_path), "--caps", "lots"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--caps 'lots'" in err
+    (tmp_path / "config.json").write_text("{}")
+    assert capped_run.main(["--model", str(tmp_path), "--caps", "", "--repeats", "0"]) == 2
+    assert "--repeats 0: expected >= 1" in capsys.readouterr().err
