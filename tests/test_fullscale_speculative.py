@@ -53,3 +53,20 @@ def test_bad_cap_is_one_line_exit_2(tmp_path, capsys):
     assert fullscale_speculative.main(["--model", str(tmp_path), "--cap", "lots"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--cap 'lots'" in err
+
+
+def test_a_drafter_sharing_the_targets_output_proposes_argmax_lm_head_of_its_embedding(tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model = write_checkpoint(tmp_path / "ckpt", "qwen3-30b-a3b", small=True, layers=2)["out"]
+    draft = write_random_drafter(tmp_path / "d", tmp_path / "ckpt", layers=2, share_output=True)
+    target, _ = load(model)
+    drafter, _ = load(str(draft))
+    tokens = mx.array([[5, 17, 230, 41, 99, 3]])
+    t = target.model
+    # The drafter's layers add exactly nothing: its logits are the target's output layer on its normed embedding.
+    expected = target.lm_head(t.norm(t.embed_tokens(tokens)))
+    assert mx.array_equal(drafter(tokens), expected)
+    with pytest.raises(ValueError, match="not empty"):
+        write_random_drafter(tmp_path / "d", tmp_path / "ckpt", share_output=True)
