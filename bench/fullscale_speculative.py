@@ -1,4 +1,5 @@
-"""A never-accepted drafter against plain decoding at full depth, under a memory cap that counts page cache.
+"""A drafter against plain decoding at full depth, under a memory cap that counts page cache: by default one the
+target never accepts; with --draft, any (e.g. bench/random_drafter.py --share-output, one it often accepts).
 
     python -m bench.fullscale_speculative --model /tmp/fullscale/qwen3-30b-a3b --cap 8GB --budget 4GB -n 12 \
         --pairs 3 [--draft DIR] [--out FILE]
