@@ -243,9 +243,10 @@ def test_speculative_greedy_with_one_sync_verify_is_lossless(family, label, tiny
         fallbacks = 0
         for predictor in ("oracle", "none"):
             for name, (dmodel, dconfig) in {"related": related, "random": random_drafter}.items():
+                # Fixed K: every round is a verify window (adaptive K's first round is a probe, with none)
                 tokens, stats, _ = run_speculative(om, None, ids, max_tokens=N, num_draft=3, predictor=predictor,
                                                    cutoff=None, draft_model=dmodel, draft_config=dconfig,
-                                                   one_sync="on")
+                                                   one_sync="on", adaptive_k=False)
                 assert tokens == expected, f"{family} {label} {predictor} {name}"
                 assert stats.n_verifies >= 1 and stats.one_sync_tries == stats.n_verifies  # every verify window
                 fallbacks += stats.one_sync_fallbacks

@@ -24,7 +24,7 @@ def _run(length: DraftLength, accept, rounds: int) -> list[int]:
 
 def test_never_accepted_drafts_fall_back_to_plain_rounds_with_growing_probes():
     ks = _run(DraftLength(4), lambda k: 0, 60)
-    assert ks[:2] == [4, 0]  # a first round rejected outright: no more drafting until the probe
+    assert ks[:6] == [1, 0, 0, 0, 0, 1]  # the first round is a probe; rejected: a stretch of `backoff` plain rounds
     probes = [i for i, k in enumerate(ks) if k == 1]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # failed probes wait longer each time
@@ -32,9 +32,9 @@ def test_never_accepted_drafts_fall_back_to_plain_rounds_with_growing_probes():
     assert max(ks[6:]) == 1 and ks.count(0) > 40
 
 
-def test_a_first_round_accepted_in_part_keeps_drafting():
-    accepted = iter([1, 0, 0])  # 1 of 4 (25%, above the floor), then none: the running acceptance falls below it
-    assert _run(DraftLength(4), lambda k: next(accepted), 3) == [4, 4, 0]
+def test_an_accepted_first_probe_keeps_drafting_and_k_follows_acceptance():
+    accepted = iter([1, 1, 0, 0, 0])  # the probe, 1 of 2, then none: K falls by one per rejected round
+    assert _run(DraftLength(4), lambda k: next(accepted), 5) == [1, 2, 2, 1, 0]
 
 
 def test_the_history_is_the_k_of_every_round_in_runs():
@@ -45,7 +45,8 @@ def test_the_history_is_the_k_of_every_round_in_runs():
 
 
 def test_accepted_drafts_keep_k_and_a_good_probe_resumes():
-    assert set(_run(DraftLength(4), lambda k: k, 20)) == {4}
+    ks = _run(DraftLength(4), lambda k: k, 20)
+    assert ks[:4] == [1, 2, 3, 4] and set(ks[3:]) == {4}  # from the first probe up to k_max, one a round
     assert set(_run(DraftLength(3, adaptive=False), lambda k: 0, 20)) == {3}
     length = DraftLength(4)
     _run(length, lambda k: 0, 8)  # fell back to plain rounds

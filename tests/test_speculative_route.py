@@ -25,9 +25,9 @@ N = 24
 
 
 def _run(om, ids, dmodel, **kw):
-    """The target itself as the drafter (every draft accepted: full windows every round), no forecast."""
+    """The target itself as the drafter (every draft accepted: full windows every round, fixed K), no forecast."""
     return run_speculative(om, None, ids, max_tokens=N, num_draft=3, predictor="none", cutoff=None,
-                           draft_model=dmodel, draft_config=om.config, **kw)
+                           draft_model=dmodel, draft_config=om.config, **{"adaptive_k": False, **kw})
 
 
 def _routes(om) -> WindowRoutes:

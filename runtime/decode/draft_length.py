@@ -3,6 +3,11 @@
 A drafter the target rarely accepts costs a drafter pass per proposed token and a
 K+1-token verify for about one emitted token: slower than plain decoding. So K
 follows acceptance, round by round:
+- the first round is a probe (K = 1): nothing is known of the pair on this prompt
+  yet, and a rejected probe costs one drafter step beside a plain round where a
+  first round at K = k_max costs a (k_max + 1)-token window for one token (at full
+  depth under a cap, ~7 s of the first token: bench/results/speculative_unaccepted_fullscale.txt);
+  an accepted one goes on at K = 2, then up by one per fully accepted round.
 - after a round with K > 0: all K accepted -> K + 1 (at most k_max); none accepted
   -> K - 1; the running acceptance (an exponential average of accepted/proposed per
   round, starting from the first round's own share) below `floor` -> K = 0. So a
@@ -10,7 +15,8 @@ follows acceptance, round by round:
   rather than after K of them, each a wider verify window for one token.
 - K = 0 is plain decoding (one target token per round, no drafter work) for a
   stretch of `backoff` rounds, then one probe round with K = 1; a probe that is
-  rejected doubles the stretch (up to max_backoff), an accepted one resets it.
+  rejected doubles the stretch (up to max_backoff; the first probe's rejection
+  starts the first stretch at `backoff`), an accepted one resets it.
   The decoder runs a stretch's rounds as plain decoding (runtime/decode/plain_stretch.py),
   plain_rounds() of them at once, and a greedy probe without a verify window.
 
@@ -34,12 +40,13 @@ class DraftLength:
     max_backoff: int = 64
 
     def __post_init__(self):
-        self.k = self.k_max  # the K of the next round
+        first_probe = self.adaptive and self.k_max > 0
+        self.k = 1 if first_probe else self.k_max  # the K of the next round
         self.acceptance = 1.0  # running acceptance (the first drafting round sets it)
         self.n_drafting = 0  # rounds with K > 0 recorded
         self.stretch = self.backoff  # plain rounds per fallback
         self.plain_left = 0  # plain rounds left before the probe
-        self.probing = False  # the next/last K=1 round is a probe
+        self.probing = first_probe  # the next/last K=1 round is a probe
         self.history: list[list[int]] = []  # [K, rounds] runs, in order: the K of every recorded round
 
     def next_k(self) -> int:
@@ -71,7 +78,8 @@ class DraftLength:
                 self.stretch, self.acceptance = self.backoff, max(self.acceptance, self.floor)
                 self.k = min(2, self.k_max)
             else:
-                self.stretch = min(2 * self.stretch, self.max_backoff)
+                if self.n_drafting > 1:  # the first round's probe starts the first stretch at `backoff`
+                    self.stretch = min(2 * self.stretch, self.max_backoff)
                 self.k, self.plain_left = 0, self.stretch
             return
         self.k = min(k + 1, self.k_max) if n_accepted == k else k - 1 if n_accepted == 0 else k
