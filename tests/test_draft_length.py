@@ -32,9 +32,9 @@ def test_never_accepted_drafts_fall_back_to_plain_rounds_with_growing_probes():
     assert max(ks[6:]) == 1 and ks.count(0) > 40
 
 
-def test_an_accepted_first_probe_keeps_drafting_and_k_follows_acceptance():
-    accepted = iter([1, 1, 0, 0, 0])  # the probe, 1 of 2, then none: K falls by one per rejected round
-    assert _run(DraftLength(4), lambda k: next(accepted), 5) == [1, 2, 2, 1, 0]
+def test_an_accepted_first_probe_drafts_at_k_max_and_k_follows_acceptance():
+    accepted = iter([1, 1, 0, 0, 0])  # the probe, 1 of 4, then none: K falls by one per rejected round
+    assert _run(DraftLength(4), lambda k: next(accepted), 5) == [1, 4, 4, 3, 2]
 
 
 def test_the_history_is_the_k_of_every_round_in_runs():
@@ -46,7 +46,7 @@ def test_the_history_is_the_k_of_every_round_in_runs():
 
 def test_accepted_drafts_keep_k_and_a_good_probe_resumes():
     ks = _run(DraftLength(4), lambda k: k, 20)
-    assert ks[:4] == [1, 2, 3, 4] and set(ks[3:]) == {4}  # from the first probe up to k_max, one a round
+    assert ks[0] == 1 and set(ks[1:]) == {4}  # the first round's probe, then k_max
     assert set(_run(DraftLength(3, adaptive=False), lambda k: 0, 20)) == {3}
     length = DraftLength(4)
     _run(length, lambda k: 0, 8)  # fell back to plain rounds

@@ -7,7 +7,7 @@ follows acceptance, round by round:
   yet, and a rejected probe costs one drafter step beside a plain round where a
   first round at K = k_max costs a (k_max + 1)-token window for one token (at full
   depth under a cap, ~7 s of the first token: bench/results/speculative_unaccepted_fullscale.txt);
-  an accepted one goes on at K = 2, then up by one per fully accepted round.
+  an accepted one goes on at K = k_max.
 - after a round with K > 0: all K accepted -> K + 1 (at most k_max); none accepted
   -> K - 1; the running acceptance (an exponential average of accepted/proposed per
   round, starting from the first round's own share) below `floor` -> K = 0. So a
@@ -74,9 +74,9 @@ class DraftLength:
         self.n_drafting += 1
         if self.probing:
             self.probing = False
-            if n_accepted:
+            if n_accepted:  # the first round's probe goes on at k_max; a later one at 2, then up
                 self.stretch, self.acceptance = self.backoff, max(self.acceptance, self.floor)
-                self.k = min(2, self.k_max)
+                self.k = self.k_max if self.n_drafting == 1 else min(2, self.k_max)
             else:
                 if self.n_drafting > 1:  # the first round's probe starts the first stretch at `backoff`
                     self.stretch = min(2 * self.stretch, self.max_backoff)
