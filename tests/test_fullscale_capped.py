@@ -65,6 +65,10 @@ def test_paired_ratios_use_each_rounds_own_resident_compute():
     limit0 = 1 / (2.0 + 0.2)
     assert note.startswith("paired by round (specmoe 4GB @ 8.0 GB, 2 rounds): 0.300 tok/s [0.200-0.400]")
     assert note.endswith(f"ratio to the limit 0.86 ({0.2 * 4.2:.2f}-{0.4 / limit0:.2f})")
+    # A round whose resident run paged (the governor shrank its cache) measured no compute: left out, and said.
+    paged = rounds + [({"tokens_per_s": 0.1, "hit_rate": 0.9}, [(row(0.4), {"tokens": [1]})])]
+    note, left_out = capped_run.paired_notes(paged, 1e9)
+    assert "2 rounds" in note and left_out == "paired by round: 1 round(s) left out, their resident run paged (hit rate below 100%)"
 
 
 def test_capped_run_refuses_bad_input(tmp_path, capsys):
