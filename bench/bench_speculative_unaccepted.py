@@ -3,9 +3,9 @@
 Physics: a drafter of random weights (same tokenizer, another width: bench/random_drafter.py)
 proposes tokens the target almost never agrees with. Adaptive K (runtime/decode/draft_length.py)
 then falls to 0 within a few rounds and re-probes with K = 1 after stretches that double up to 64
-tokens; what remains against plain decoding is (a) the first rounds, whose K+1-token verify windows
-read more experts for one emitted token, (b) the probes, each feeding the drafter the stretch's
-tokens in one batched forward and verifying a 2-token window, and (c) whatever a K = 0 token costs
+tokens; what remains against plain decoding is (a) the drafter's prefill and the first round, a probe
+(one drafter step beside a plain round), (b) the later probes, each feeding the drafter the stretch's
+tokens in one batched forward, and (c) whatever a K = 0 token costs
 beyond a plain token -- nothing when the stretch decodes as plain decoding does
 (runtime/decode/plain_stretch.py). The goal: at most 10% (ratio >= 0.90).
 

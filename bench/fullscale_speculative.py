@@ -5,10 +5,10 @@ target never accepts; with --draft, any (e.g. bench/random_drafter.py --share-ou
         --pairs 3 [--draft DIR] [--out FILE]
 
 Physics: a random-weight drafter of another width (bench/random_drafter.py: Qwen3-0.6B's shape, hidden
-1024, 28 layers, the target's tokenizer) proposes tokens the target never agrees with. Adaptive K falls
-to 0 after the first rounds and re-probes after stretches that double; a K = 0 stretch decodes as plain
-decoding does. What it may still cost against plain: the first verify windows (K + 1 tokens read and
-compute more experts for one emitted token), the probes, the drafter's own forwards and memory. The goal:
+1024, 28 layers, the target's tokenizer) proposes tokens the target never agrees with. Adaptive K starts
+with a probe (the target's plain step, checked against the drafter's proposal), stays at 0 while probes
+fail and re-probes after stretches that double; a K = 0 stretch decodes as plain decoding does. What it
+may still cost against plain: the drafter's prefill, probes and forwards, and its memory. The goal:
 at most 10% (ratio >= 0.90) at full depth, where each target token is seconds and reads hit the disk.
 
 Each pair runs `specmoe generate` plain and with `--draft` (the CLI's defaults otherwise: the predictor a
@@ -16,9 +16,9 @@ pair of different widths resolves to, adaptive K), back to back in alternating o
 cgroup with the checkpoint evicted from the page cache first (bench/fullscale_cgroup.py). tok/s is
 RunStats' decode rate for both (tokens after the first / time since the first, docs/json.md); the ratio
 is the median of the per-pair speculative/plain ratios with their min-max. The decode rate leaves out the
-first round: a speculative run's first token comes from its first round (a K + 1-token verify window, after
-the drafter's prefill), a plain run's from the prefill, so the first window's cost lands in TTFT; the end-to-end
-ratio (plain's TTFT + decode time over speculative's) counts it. Tokens must be equal in every
+first round: a speculative run's first token comes from its first round (after the drafter's prefill), a plain
+run's from the prefill, so that round's cost lands in TTFT; the end-to-end ratio (plain's TTFT + decode time over
+speculative's) counts it. Tokens must be equal in every
 run. Prints a table and one JSON line; --out writes both under a first line with the date and load.
 """
 

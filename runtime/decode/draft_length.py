@@ -10,9 +10,9 @@ follows acceptance, round by round:
   an accepted one goes on at K = k_max.
 - after a round with K > 0: all K accepted -> K + 1 (at most k_max); none accepted
   -> K - 1; the running acceptance (an exponential average of accepted/proposed per
-  round, starting from the first round's own share) below `floor` -> K = 0. So a
-  drafter whose first round is rejected outright stops drafting after that round
-  rather than after K of them, each a wider verify window for one token.
+  round, starting from the first drafting round's own share) below `floor` -> K = 0.
+  So a drafter whose rounds are rejected outright stops drafting after one or two
+  rounds rather than after K of them, each a wider verify window for one token.
 - K = 0 is plain decoding (one target token per round, no drafter work) for a
   stretch of `backoff` rounds, then one probe round with K = 1; a probe that is
   rejected doubles the stretch (up to max_backoff; the first probe's rejection
