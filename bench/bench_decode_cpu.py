@@ -25,7 +25,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mlx_lm import load as mlx_load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from bench.decode_models import decode_model  # noqa: E402
+from bench.decode_models import each_model  # noqa: E402
 from runtime import load, stream_generate  # noqa: E402
 
 PROMPTS = [
@@ -146,15 +145,8 @@ def main() -> None:
     args = ap.parse_args()
     load0 = os.getloadavg()
     rng = random.Random(0)
-    lines, results = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            try:
-                path = decode_model(name, Path(tmp))
-            except ValueError as e:
-                ap.error(f"--models: {e}")
-            table, results[name] = bench_model(name, path, args.budgets.split(","), args.tokens, args.repeats, rng)
-            lines += table + [""]
+    lines, results = each_model(args.models, ap.error, lambda name, path: bench_model(
+        name, path, args.budgets.split(","), args.tokens, args.repeats, rng))
     load1 = os.getloadavg()
     command = "python bench/bench_decode_cpu.py " + " ".join(sys.argv[1:])
     head = (f"{command} | {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())} | load average before "

@@ -25,7 +25,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from mlx_lm import load as mlx_load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from bench.decode_models import decode_model  # noqa: E402
+from bench.decode_models import each_model  # noqa: E402
 from runtime import load, stream_generate  # noqa: E402
 from runtime.decode.warm import warm_start  # noqa: E402
 
@@ -166,16 +165,8 @@ def main() -> None:
         ap.error(f"--modes {args.modes!r}; expected a comma list of {', '.join(MODES)} including off")
     load0 = os.getloadavg()
     rng = random.Random(0)
-    lines, results = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            try:
-                path = decode_model(name, Path(tmp))
-            except ValueError as e:
-                ap.error(f"--models: {e}")
-            table, results[name] = bench_model(name, path, args.budgets.split(","), modes, args.tokens,
-                                               args.trials, rng)
-            lines += table + [""]
+    lines, results = each_model(args.models, ap.error, lambda name, path: bench_model(
+        name, path, args.budgets.split(","), modes, args.tokens, args.trials, rng))
     head = (f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} "
             f"at the start, {os.getloadavg()[0]:.2f} at the end; greedy, files hot, each prompt paired with stock; "
             f"vs off: the variant's ratio over off's in the same trial (won: trials > 1); CPU vs stock: median of "

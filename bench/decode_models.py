@@ -4,7 +4,9 @@ directory). Invariant: the same name gives the same weights in every bench (seed
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 from runtime.checkpoints import make_tiny
 from runtime.checkpoints.embedded import embedded_pair
@@ -20,3 +22,19 @@ def decode_model(name: str, scratch: Path) -> Path:
         return make_tiny(scratch / "synthetic", "qwen3_moe", seed=0, layers=12, n_experts=64, top_k=4,
                          hidden=384, expert_hidden=256)
     raise ValueError(f"{name!r}; expected one of {', '.join(NAMES)}")
+
+
+def each_model(names: str, error: Callable[[str], None], measure: Callable) -> tuple[list[str], dict]:
+    """measure(name, path) -> (table lines, results) for each model of the comma list `names`, the synthetic one
+    written to a scratch directory removed afterwards; an unknown name goes to error() (argparse's ap.error).
+    Returns every table, each followed by a blank line, and {name: results}."""
+    lines, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names.split(","):
+            try:
+                path = decode_model(name, Path(tmp))
+            except ValueError as e:
+                error(f"--models: {e}")
+            table, results[name] = measure(name, path)
+            lines += table + [""]
+    return lines, results
