@@ -6,6 +6,7 @@ into buffers that callers hand it.
 """
 
 from storage.errors import StoreError
+from storage.file_pages import drop_pages
 from storage.keys import ExpertKey
 from storage.layout import ExpertTensor, LayerLayout
 from storage.loader import AsyncLoader, LoaderConfig, LoaderStats, LoadTicket
@@ -21,4 +22,5 @@ __all__ = [
     "LoaderConfig",
     "LoaderStats",
     "StoreError",
+    "drop_pages",
 ]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from storage.checksum import crc32_of
 from storage.errors import StoreError
+from storage.file_pages import drop_pages
 from storage.keys import ExpertKey
 from storage.layout import LayerLayout, discover_layouts
 from storage.packed_format import STORE_FILE, read_store_manifest
@@ -166,6 +167,14 @@ class ExpertStore:
 
     def resident_tensors(self) -> dict[str, TensorEntry]:
         return dict(self._resident)
+
+    def drop_resident_pages(self) -> int:
+        """Evict the page-cache pages of every file a resident tensor lives in (storage/file_pages.py); bytes advised.
+
+        Whole files: the kernel keeps a page folio a range covers only in part, and resident tensors share a
+        raw shard with experts. Expert pages go too, which costs nothing when experts are read past the page
+        cache (--io-mode direct, the only mode that calls this)."""
+        return sum(drop_pages(f) for f in sorted(set(self._resident_files.values())))
 
     def resident_file(self, name: str) -> str:
         """The file holding resident tensor `name`."""

@@ -9,7 +9,11 @@ loaded in the same process is unaffected.
 
 Invariants: after load() every non-expert parameter came from the checkpoint
 (missing ones are an error naming the tensor), every stacked expert block in the
-store has exactly one module, and the cache holds at most the budget.
+store has exactly one module, and the cache holds at most the budget. With --io-mode
+direct the resident tensors' file pages are dropped from the page cache once loaded
+(storage/file_pages.py), so under a memory cap they do not take the cache's room; the
+resident weights are evaluated before the expert cache allocates its slabs, so the
+load's peak is the larger of the two, not their sum.
 """
 
 from __future__ import annotations
@@ -130,8 +134,15 @@ class OffloadedModel:
                              reader=reader)
         try:
             model, config = load_model(store.model_dir, lazy=True, strict=False)
+            experts = match_expert_modules(model, layouts, store.model_dir)
+            # The resident weights first, then the slabs: the page cache's copy of the resident bytes (dropped
+            # here with direct I/O) and the expert cache never take memory at the same time.
+            skip = tuple(path + "." for path, _ in experts.values())
+            mx.eval([v for k, v in tree_flatten(model.parameters()) if not k.startswith(skip)])
+            if cfg.io_mode == "direct":  # the resident bytes now live in the model: no page-cache copy of them
+                store.drop_resident_pages()
             cache = ExpertCache(layouts, plan.slots, loader, cfg.policy, min_usable=top_k(store.config))
-            modules = cls._swap_experts(model, layouts, cache, store)
+            modules = cls._swap_experts(model, experts, layouts, cache)
             cls._check_resident(model, modules, store)
             mx.eval(model.parameters())
             tokenizer = load_tokenizer(store.model_dir, eos_token_ids=config.get("eos_token_id"))
@@ -151,9 +162,9 @@ class OffloadedModel:
         return om
 
     @staticmethod
-    def _swap_experts(model, layouts, cache, store) -> dict[int, CachedSwitchGLU]:
+    def _swap_experts(model, experts, layouts, cache) -> dict[int, CachedSwitchGLU]:
         modules = {}
-        for layer, (path, module) in match_expert_modules(model, layouts, store.model_dir).items():
+        for layer, (path, module) in experts.items():
             lay = layouts[layer]
             modules[layer] = CachedSwitchGLU(layer, lay, cache, module.activation, like=module)
             _set_module(model, path, modules[layer])

@@ -19,6 +19,7 @@ from predictor.projection import Projections, config_digest
 from runtime.decode.drafter import ModelDrafter
 from runtime.decode.families import text_config
 from runtime.checkpoints import model_fingerprint
+from storage import drop_pages
 
 
 def default_projection_path(target_dir: Path, drafter_config: dict) -> Path:
@@ -66,6 +67,9 @@ def load_drafter(draft_dir: Path, target) -> tuple[object, dict]:
         raise ValueError(f"--draft {draft_dir}: no config.json; expected an mlx-lm model directory")
     model, tokenizer, config = mlx_load(str(draft_dir), return_config=True)
     check_vocabularies(draft_dir, tokenizer, config, target)
+    if target.store.reader.io_mode == "direct":  # the drafter is resident now: no page-cache copy of its files
+        for f in sorted(draft_dir.glob("*.safetensors")):
+            drop_pages(f)
     return model, config
 
 
