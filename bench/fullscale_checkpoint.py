@@ -1,7 +1,7 @@
 """Full-size synthetic checkpoints of the MoE models people run, written without holding them in RAM.
 
     python -m bench.fullscale_checkpoint --preset qwen3-30b-a3b --out /tmp/q30 [--layers N]
-        [--dtype float32|bfloat16] [--skew S] [--locality P] [--seed N] [--small]
+        [--dtype float32|bfloat16] [--skew S] [--locality P] [--embed-rms R] [--seed N] [--small]
 
 Presets (real dimensions from runtime/data/model_presets.json, the published configs):
     qwen3-30b-a3b     48 layers, 128 experts top-8, hidden 2048, vocab 151,936           (qwen3_moe)
@@ -21,6 +21,9 @@ are always valid (bench/fullscale_weights.py).
 CPU backend a bfloat16 quantized matmul is ~10x slower than float32, so float32 is the default
 here. config.json's "specmoe_synthetic" block records the choice and the knobs.
 --small: the same family structure at toy widths (hidden 128, 16 experts) for tests.
+--embed-rms: the embedding rows' rms per sqrt(layers) (default 1.2). Larger, each token's own direction
+dominates the final hidden state, so a --share-output drafter (bench/random_drafter.py) is accepted more
+often: the knob sets how well a stand-in drafter agrees with the target, not a property of real models.
 
 Invariants: values depend on (seed, tensor name) only; each shard is written to a .partial file and
 renamed when complete; a run refuses an output directory that is not empty, or a disk without room.
@@ -136,12 +139,14 @@ def _tokenizer(out: Path) -> tuple[int, int]:
 
 def write_checkpoint(out: str | Path, preset: str, *, layers: int | None = None, dtype: str = "float32",
                      skew: float = 0.0, locality: float = 0.0, seed: int = 0, small: bool = False,
-                     max_shard_bytes: int = MAX_SHARD_BYTES, progress=None) -> dict:
+                     embed_rms: float = EMBED_RMS_PER_SQRT_LAYER, max_shard_bytes: int = MAX_SHARD_BYTES, progress=None) -> dict:
     """Write the checkpoint; returns a summary (files, bytes, expert bytes, seconds)."""
     from mlx_lm.utils import save_config
 
     if dtype not in SCALE_DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
+    if not embed_rms > 0:
+        raise ValueError(f"--embed-rms {embed_rms}: expected a positive number (default {EMBED_RMS_PER_SQRT_LAYER})")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty; the writer makes a new checkpoint directory")
@@ -155,7 +160,7 @@ def write_checkpoint(out: str | Path, preset: str, *, layers: int | None = None,
     vocab, special = _tokenizer(out)
     n_layers = int(config.get("text_config", config)["num_hidden_layers"])
     knobs = Knobs(seed=seed, skew=skew, locality=locality, decodable=vocab, special=special,
-                  embed_rms=EMBED_RMS_PER_SQRT_LAYER * n_layers**0.5)
+                  embed_rms=embed_rms * n_layers**0.5)
     shards = plan_shards(specs, max_shard_bytes)
     fmt = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
     t0, weight_map = time.perf_counter(), {}
@@ -171,7 +176,7 @@ def write_checkpoint(out: str | Path, preset: str, *, layers: int | None = None,
     n_experts = sum(s.shape[0] for s in specs if s.name.endswith(("switch_mlp.gate_proj.weight", "experts.gate_proj.weight")))
     qconfig["specmoe_synthetic"] = {
         "preset": preset, "small": small, "scales_dtype": dtype, "skew": skew, "locality": locality, "seed": seed,
-        "tokenizer_vocab": vocab,
+        "embed_rms_per_sqrt_layer": embed_rms, "tokenizer_vocab": vocab,
         "note": ("random weights; float32 scales, biases and norms for the CPU backend (published checkpoints: bfloat16)"
                  if dtype == "float32" else "random weights; bfloat16 scales, biases and norms as published")}
     save_config(qconfig, out / "config.json")
@@ -188,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help="scales/biases/norms: float32 (fast on CPU) or bfloat16 (as published)")
     ap.add_argument("--skew", type=float, default=0.0, help="router skew S >= 0: a few experts popular (0 = uniform)")
     ap.add_argument("--locality", type=float, default=0.0, help="P in [0, 1): consecutive tokens share experts")
+    ap.add_argument("--embed-rms", type=float, default=EMBED_RMS_PER_SQRT_LAYER,
+                    help="embedding rms per sqrt(layers); larger: a --share-output drafter is accepted more often")
     ap.add_argument("--seed", type=int, default=0, help="weights depend on (seed, tensor name) only")
     ap.add_argument("--small", action="store_true", help="toy widths (hidden 128, 16 experts) for tests")
     ap.add_argument("--debug", action="store_true", help="tracebacks on errors")
@@ -195,7 +202,7 @@ def main(argv=None) -> int:
     try:
         summary = write_checkpoint(args.out, args.preset, layers=args.layers, dtype=args.dtype, skew=args.skew,
                                    locality=args.locality, seed=args.seed, small=args.small,
-                                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+                                   embed_rms=args.embed_rms, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as e:
         if args.debug:
             raise

@@ -2,7 +2,7 @@
 target never accepts; with --draft, any (e.g. bench/random_drafter.py --share-output, one it often accepts).
 
     python -m bench.fullscale_speculative --model /tmp/fullscale/qwen3-30b-a3b --cap 8GB --budget 4GB -n 12 \
-        --pairs 3 [--draft DIR] [--out FILE]
+        --pairs 3 [--draft DIR] [--read-mbps R] [--out FILE]
 
 Physics: a random-weight drafter of another width (bench/random_drafter.py: Qwen3-0.6B's shape, hidden
 1024, 28 layers, the target's tokenizer) proposes tokens the target never agrees with. Adaptive K starts
@@ -19,7 +19,10 @@ is the median of the per-pair speculative/plain ratios with their min-max. The d
 first round: a speculative run's first token comes from its first round (after the drafter's prefill), a plain
 run's from the prefill, so that round's cost lands in TTFT; the end-to-end ratio (plain's TTFT + decode time over
 speculative's) counts it. Tokens must be equal in every
-run. Prints a table and one JSON line; --out writes both under a first line with the date and load.
+run. --read-mbps caps every run's reads from the checkpoint's disk (a cgroup blkio throttle,
+bench/fullscale_cgroup.py): a slower disk than this one, so that reads, not this CPU's compute, set a token's
+pace, as they do on a Mac whose GPU computes a token many times faster than this CPU. The table's "disk GB" is
+what the kernel counted each run reading from that disk. Prints a table and one JSON line; --out writes both under a first line with the date and load.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 from bench.capped_run import DEFAULT_PROMPT, _env, parse_gb
 from bench.result_header import loadavg, write_result
 from bench.fullscale_bandwidth import checkpoint_files
-from bench.fullscale_cgroup import MemoryCgroup, available, drop_file_cache
+from bench.fullscale_cgroup import MemoryCgroup, available, disk_of, drop_file_cache, throttle_available
 from bench.random_drafter import write_random_drafter
 
 
@@ -47,10 +50,14 @@ def run(model: Path, draft: Path | None, args, cap: int, json_path: Path, log) -
     if draft is not None:
         cmd += ["--draft", str(draft)] + (["--num-draft", str(args.num_draft)] if args.num_draft else [])
     drop_file_cache(checkpoint_files(model))
-    with MemoryCgroup(cap) as cg:
+    throttle = {} if args.read_mbps is None else {"read_bps": int(args.read_mbps * 1e6), "device": disk_of(model)}
+    with MemoryCgroup(cap, **throttle) as cg:
         res = cg.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        disk_bytes = cg.read_bytes()
     out = {"exit_code": res.exit_code, "oom_killed": res.oom_killed, "cgroup_peak_gb": res.cgroup_peak_bytes / 1e9,
            "rss_peak_gb": res.rss_peak_bytes / 1e9, "wall_s": res.wall_s}
+    if throttle:
+        out["disk_read_gb"] = disk_bytes / 1e9
     if res.exit_code != 0 or not json_path.exists():
         return out
     result = json.loads(json_path.read_text())
@@ -83,13 +90,14 @@ def summarize(pairs: list[dict]) -> dict:
 
 def table(pairs: list[dict], summary: dict) -> str:
     lines = [f"{'pair':<5}{'run':<6}{'exit':>5}{'tok/s':>8}{'TTFT s':>8}{'hit':>6}{'MB/tok':>8}{'cg GB':>7}{'RSS GB':>7}"
-             f"{'rounds':>7}{'K=0':>5}{'probe':>6}{'verify':>7}{'accept':>7}{'draft s':>8}"]
+             f"{'disk GB':>8}{'rounds':>7}{'K=0':>5}{'probe':>6}{'verify':>7}{'accept':>7}{'draft s':>8}"]
     for i, p in enumerate(pairs):
         for name in p["order"]:
             r = p[name]
             lines.append(f"{i + 1:<5}{name:<6}{r['exit_code']:>5}{r.get('tok_s', 0):>8.3f}{r.get('ttft_s', 0):>8.1f}"
                          f"{r.get('hit_rate', 0):>6.0%}{r.get('mb_per_token', 0):>8.1f}{r['cgroup_peak_gb']:>7.2f}"
-                         f"{r['rss_peak_gb']:>7.2f}" + (f"{r.get('n_rounds') or 0:>7}{r.get('n_plain_rounds') or 0:>5}"
+                         f"{r['rss_peak_gb']:>7.2f}" + (f"{r['disk_read_gb']:>8.2f}" if 'disk_read_gb' in r else f"{'-':>8}")
+                         + (f"{r.get('n_rounds') or 0:>7}{r.get('n_plain_rounds') or 0:>5}"
                                                         f"{r.get('n_probes') or 0:>6}{r.get('n_verifies') or 0:>7}"
                                                         f"{r.get('acceptance') or 0:>7.0%}{r.get('draft_s') or 0:>8.2f}"
                                                         if name == "spec" else ""))
@@ -113,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=3, help="plain/speculative pairs, alternating which runs first")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw prompt")
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"], help="specmoe --io-mode")
+    ap.add_argument("--read-mbps", type=float, default=None,
+                    help="cap reads from the checkpoint's disk at this many MB/s (cgroup blkio throttle; default: none)")
     ap.add_argument("--out", default=None, help="also write the table and JSON line here")
     ap.add_argument("--log", default=None, help="the commands' output (default: discarded)")
     ap.add_argument("--note", default=None, help="a line for --out's header (e.g. what else ran on the machine)")
@@ -126,6 +136,11 @@ def main(argv=None) -> int:
             raise ValueError(f"--model {args.model}: no config.json; expected a checkpoint directory")
         if available():
             raise ValueError(f"--cap needs a memory cgroup: {available()}")
+        if args.read_mbps is not None:
+            if not args.read_mbps > 0:
+                raise ValueError(f"--read-mbps {args.read_mbps}: expected a positive rate in MB/s")
+            if throttle_available():
+                raise ValueError(f"--read-mbps needs a read throttle: {throttle_available()}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -143,7 +158,7 @@ def main(argv=None) -> int:
     summary = summarize(pairs)
     text = table(pairs, summary) + "\n" + json.dumps(
         {"bench": "fullscale_speculative", "model": str(args.model), "draft": str(draft), "cap": args.cap,
-         "budget": args.budget, "tokens": args.max_tokens, "summary": summary, "pairs": pairs,
+         "budget": args.budget, "tokens": args.max_tokens, "read_mbps": args.read_mbps, "summary": summary, "pairs": pairs,
          "load_average": {"before": load0, "after": loadavg()}})
     print(text)
     if args.out:

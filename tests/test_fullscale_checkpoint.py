@@ -145,8 +145,36 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     assert main(["--preset", "gpt-oss-20b", "--out", str(tmp_path / "full"), "--small"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert main(["--preset", "gpt-oss-20b", "--out", str(tmp_path / "y"), "--layers", "99"]) == 2
+    capsys.readouterr()
     with pytest.raises(ValueError, match="locality"):
         write_checkpoint(tmp_path / "z", "gpt-oss-20b", small=True, locality=1.0)
+    assert main(["--preset", "qwen3-30b-a3b", "--out", str(tmp_path / "w"), "--small", "--embed-rms", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--embed-rms 0.0" in err
+
+
+def test_embed_rms_sets_the_embedding_rows_and_a_share_output_drafters_agreement(tmp_path):
+    """--embed-rms R: embedding rows of rms R sqrt(layers), recorded in config.json; a larger R lets the token's own
+    direction dominate the final state, so a --share-output drafter agrees with the target's greedy tokens more."""
+    from bench.random_drafter import write_random_drafter
+
+    agreement = {}
+    for r in (1.2, 6.0):
+        out = tmp_path / f"r{r}"
+        write_checkpoint(out, "qwen3-30b-a3b", small=True, layers=24, embed_rms=r)
+        assert json.loads((out / "config.json").read_text())["specmoe_synthetic"]["embed_rms_per_sqrt_layer"] == r
+        target, tok = load(str(out))
+        e = target.model.embed_tokens
+        rows = mx.dequantize(e.weight, e.scales, e.biases, group_size=64, bits=4)[:512]
+        rms = mx.sqrt(mx.mean(rows * rows)).item()
+        assert rms == pytest.approx(r * 24**0.5, rel=0.1)
+        drafter, _ = load(str(write_random_drafter(tmp_path / f"d{r}", out, layers=1, share_output=True)))
+        ids = greedy_ids(target, tok.encode(PROMPT), 24)
+        seq = mx.array([tok.encode(PROMPT) + ids])
+        n = len(tok.encode(PROMPT)) - 1
+        a, b = mx.argmax(target(seq)[0, n:-1], -1), mx.argmax(drafter(seq)[0, n:-1], -1)
+        agreement[r] = (a == b).astype(mx.float32).mean().item()
+    assert agreement[6.0] > agreement[1.2] + 0.15, agreement
 
 
 def test_full_size_presets_have_the_published_dimensions():

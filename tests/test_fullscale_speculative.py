@@ -1,6 +1,6 @@
 """bench/fullscale_speculative.py on a toy-width checkpoint under a real 1 GB cgroup cap: plain and --draft runs of
 specmoe generate in alternating pairs, the speculative/plain ratio computed from the runs' own decode rates, tokens
-checked equal."""
+checked equal; reads held to a rate by a blkio throttle and counted."""
 
 from __future__ import annotations
 
@@ -25,16 +25,18 @@ def test_pairs_under_a_cap_on_a_small_checkpoint(tmp_path):
     draft = write_random_drafter(tmp_path / "d", tmp_path / "ckpt", hidden=64, layers=2, seed=3)
     out = tmp_path / "spec.txt"
     assert fullscale_speculative.main(["--model", model, "--draft", str(draft), "--cap", "1GB", "--budget", "50%",
-                                       "-n", "8", "--pairs", "2", "--out", str(out)]) == 0
+                                       "-n", "8", "--pairs", "2", "--read-mbps", "200", "--out", str(out)]) == 0
     lines = out.read_text().splitlines()
     assert lines[0].startswith("# fullscale_speculative:") and "load average before" in lines[0]
     result = json.loads(lines[-1])
     pairs, summary = result["pairs"], result["summary"]
     assert [p["order"] for p in pairs] == [["plain", "spec"], ["spec", "plain"]]
+    assert result["read_mbps"] == 200 and "disk GB" in lines[1]
     assert summary["tokens_equal"] and summary["n_pairs"] == 2
     for p in pairs:
         assert p["plain"]["exit_code"] == 0 and p["spec"]["exit_code"] == 0
         assert 0 < p["spec"]["cgroup_peak_gb"] <= 1.0 and not p["spec"]["oom_killed"]
+        assert all(p[k]["disk_read_gb"] > 0 for k in ("plain", "spec"))  # the throttled group's reads, counted
         assert p["spec"]["acceptance"] < 0.5 and p["spec"]["n_plain_rounds"] > 0  # the drafter is not accepted
     assert summary["ratios"] == pytest.approx([p["spec"]["tok_s"] / p["plain"]["tok_s"] for p in pairs])
     e2e = sorted(p["plain"]["e2e_s"] / p["spec"]["e2e_s"] for p in pairs)
