@@ -77,7 +77,8 @@ def test_a_drafter_never_accepted_falls_back_to_plain_decoding_losslessly(family
         fixed_tokens, fixed, _ = run_speculative(om, None, ids, max_tokens=n, num_draft=4, predictor="none",
                                                  cutoff=None, draft_model=dmodel, draft_config=dconfig,
                                                  adaptive_k=False)
-        assert fixed_tokens == expected and fixed.n_plain_rounds == 0 and fixed.mean_k == 4
+        # fixed K drafts 4 a round but for the last rounds, cut to the tokens still wanted (the last one a plain round)
+        assert fixed_tokens == expected and fixed.n_plain_rounds == 1 and fixed.n_drafted == 4 * (n - 4) + 3 + 2 + 1
     finally:
         om.close()
 
@@ -113,5 +114,46 @@ def test_a_drafter_whose_output_layer_misses_token_ids_is_refused(tiny_dirs):
         check_vocabularies("d", om.tokenizer, {"vocab_size": n}, om)  # the same vocabulary: accepted
         with pytest.raises(ValueError, match=f"--draft d: its output layer has {n - 20} rows"):
             check_vocabularies("d", om.tokenizer, {"vocab_size": n - 20}, om)
+    finally:
+        om.close()
+
+
+def test_a_cut_window_keeps_k():
+    length = DraftLength(4)
+    _run(length, lambda k: k, 3)  # probe, then K = 4 accepted
+    length.record(1, 1, cut=True)  # the generation's last window, cut to one draft, accepted
+    assert length.next_k() == 4  # a full K: the short window said nothing about a longer one
+    length.record(2, 0, cut=True)
+    assert length.next_k() == 4 and length.acceptance < 1.0  # its share still counts
+
+
+def test_no_window_drafts_past_the_last_token_wanted(tiny_dirs, monkeypatch):
+    """A drafter that is always accepted (the target's own weights) drafts to the end of the generation; each round's
+    window holds at most the tokens still wanted, so no draft is read, computed and thrown away, and the tokens stay
+    the target's."""
+    import json
+
+    from runtime.decode.pairing import build_predictor, make_drafter
+    from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
+
+    path = tiny_dirs["qwen3_moe"]
+    om = OffloadedModel.load(path, OffloadConfig(budget="100%", threads=1))
+    try:
+        dmodel, _ = load(str(path))
+        config = json.loads((path / "config.json").read_text())
+        ids = om.tokenizer.encode(PROMPT)
+        for n in (7, 9, 10):
+            dec = SpeculativeDecoder(om, make_drafter(dmodel, "none"), build_predictor("none", om, dmodel, config),
+                                     SpecConfig(num_draft=3))
+            windows = []
+            verify = dec._verify
+            monkeypatch.setattr(dec, "_verify", lambda w, snap: windows.append(len(w)) or verify(w, snap))
+            out = dec.generate(ids, n)
+            assert out == greedy_ids(om.model, ids, n)
+            assert dec.stats.acceptance == 1.0 and 4 in windows  # full windows ran, every draft accepted ...
+            # ... and emitted: each round emits its accepted drafts and the target's own token (a probe's accepted
+            # proposal is that token)
+            assert dec.stats.n_accepted + dec.stats.n_rounds - dec.stats.n_probes == n, dec.stats.to_json()
+            assert dec.draft_length.next_k() == 3  # a cut window left K at k_max
     finally:
         om.close()

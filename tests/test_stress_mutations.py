@@ -16,8 +16,8 @@ import pytest
 from tests.bench_scripts import load_bench_script
 
 # Schedules (from seed 0) within which each defect must make one fail: about twice what was measured here from
-# seed 0 (8, 16, 1, 1). From seeds 1000, 2000, 3000, 4000 (bench/results/stress_lossless.txt): at most 19, 87, 4, 4.
-WITHIN = {"hold as a no-op": 20, "no version bump": 30, "skipped repair flag": 3, "off-by-one slot": 3}
+# seed 0 (8, 27, 1, 1). From seeds 1000, 2000, 3000, 4000 (bench/results/stress_lossless.txt): at most 19, 87, 4, 4.
+WITHIN = {"hold as a no-op": 20, "no version bump": 60, "skipped repair flag": 3, "off-by-one slot": 3}
 
 harness = load_bench_script("stress_schedules")
 mutations = load_bench_script("stress_lossless").MUTATIONS

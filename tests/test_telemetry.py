@@ -51,14 +51,17 @@ def test_speculative_rounds_and_trace(family, tiny_dirs):
                                            adaptive_k=False)  # every window K+1 = 4 tokens
         tel = om.telemetry
         verify = [r for r in tel.rounds if r.kind == "verify"]
-        assert len(verify) == stats.n_rounds
+        assert len(verify) == stats.n_rounds - stats.n_plain_rounds  # the last token, if alone, is a plain round
         assert sum(r.n_accepted for r in verify) == stats.n_accepted
-        assert all(r.n_tokens == 4 for r in verify)
+        emitted = 0
+        for r in verify:  # K + 1 = 4 tokens a window, cut to the tokens still wanted
+            assert r.n_tokens == min(4, 12 - emitted)
+            emitted += r.n_accepted + 1
         assert ([r.kind for r in tel.rounds].count("rerun") > 0) == (stats.n_reruns > 0)
         seqs = tel.trace_sequences()
         # prompt[:-1] in prefill, then per round the accepted prefix of the window; never rejected drafts.
         emitted_before_last_round = len(tokens) - (tokens[-1:] and 1)
-        assert seqs[0].shape[0] == len(ids) - 1 + sum(r.n_accepted + 1 for r in verify)
+        assert seqs[0].shape[0] == len(ids) - 1 + sum(r.n_accepted + 1 for r in verify) + stats.n_plain_rounds
         assert emitted_before_last_round <= seqs[0].shape[0]
         summary = tel.summary()
         assert summary["unique_per_layer_per_verify"] <= summary["pairs_per_layer_per_verify"]

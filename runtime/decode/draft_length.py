@@ -20,6 +20,9 @@ follows acceptance, round by round:
   The decoder runs a stretch's rounds as plain decoding (runtime/decode/plain_stretch.py),
   plain_rounds() of them at once, and a greedy probe without a verify window.
 
+The decoder cuts a round's K to the tokens the generation still wants minus one (the window's last
+token is the target's own): drafts past the last wanted token would be read and computed for nothing.
+
 Invariants: K is always in 0..k_max; with adaptive=False, K is k_max every round;
 the choice depends only on earlier acceptance, so two runs that accept the same
 drafts choose the same K (the oracle's recording run replays exactly).
@@ -56,8 +59,10 @@ class DraftLength:
         """With K = 0: the plain rounds before the next probe (at least 1); else 0."""
         return max(1, self.plain_left) if self.k == 0 else 0
 
-    def record(self, k: int, n_accepted: int) -> None:
-        """The round just verified proposed `k` tokens and accepted `n_accepted` of them."""
+    def record(self, k: int, n_accepted: int, cut: bool = False) -> None:
+        """The round just verified proposed `k` tokens and accepted `n_accepted` of them. `cut`: the window was cut
+        to the tokens the generation still wanted (fewer than next_k()): its share joins the running acceptance,
+        and K stays, since a short last window says nothing about a longer one (the floor still applies)."""
         if self.history and self.history[-1][0] == k:
             self.history[-1][1] += 1
         else:
@@ -82,6 +87,7 @@ class DraftLength:
                     self.stretch = min(2 * self.stretch, self.max_backoff)
                 self.k, self.plain_left = 0, self.stretch
             return
-        self.k = min(k + 1, self.k_max) if n_accepted == k else k - 1 if n_accepted == 0 else k
+        if not cut:
+            self.k = min(k + 1, self.k_max) if n_accepted == k else k - 1 if n_accepted == 0 else k
         if self.acceptance < self.floor or self.k == 0:
             self.k, self.plain_left = 0, self.stretch

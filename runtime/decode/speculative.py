@@ -15,6 +15,8 @@ is the last emitted token (not yet seen by the target):
 - adapt:    K follows acceptance round by round, down to K = 0: plain decoding
             with no drafter work (runtime/decode/draft_length.py), a stretch of such
             rounds decoded as plain decoding decodes (runtime/decode/plain_stretch.py).
+            Near the end K is cut so the window ends at the last token wanted: a draft past it
+            would cost its experts' reads and its compute and never be emitted.
 - rewind:   trimmable caches drop the rejected tail; caches that cannot be trimmed
             (GatedDeltaNet state, a full rotating cache) are restored from a
             snapshot taken before verify and the accepted tokens are re-run.
@@ -268,8 +270,12 @@ class SpeculativeDecoder:
         if k == 0:
             return self._plain(pending, self.draft_length.plain_rounds() if max_new is None
                                else min(max_new, self.draft_length.plain_rounds()), eos_ids)
+        if max_new == 1:  # one token left: the target's own, as a plain round (no draft can be emitted)
+            return self._last_token(pending, eos_ids)
         if k == 1 and self.draft_length.probing and self.cfg.sampling.greedy:
             return self._probe(pending, eos_ids)
+        wanted = k if max_new is None else min(k, max_new - 1)  # no drafts past the last token wanted
+        k, cut = wanted, wanted < k
         draft = self._draft(k)
         window = [pending] + draft.tokens
         snapshot = snapshot_untrimmable(self.cache)
@@ -282,7 +288,7 @@ class SpeculativeDecoder:
         self.predictor.observe(self._routing)
         self._rewind(window, n, snapshot)
         self.drafter.settle(n, token)
-        self.draft_length.record(k, n)
+        self.draft_length.record(k, n, cut=cut)
         self.stats.n_rounds += 1
         self.stats.n_drafted += len(draft.tokens)
         self.stats.n_accepted += n
@@ -297,6 +303,14 @@ class SpeculativeDecoder:
         self._round += len(tokens) - 1
         self.stats.n_plain_rounds += len(tokens)
         self.stats.n_rounds += len(tokens)
+        return tokens
+
+    def _last_token(self, pending: int, eos_ids) -> list[int]:
+        """The generation's last token: decoded as a plain round; K and its stretch are left as they were."""
+        tokens = self._plain_tokens(pending, 1, eos_ids)
+        self.drafter.skip(tokens[0])
+        self.stats.n_plain_rounds += 1
+        self.stats.n_rounds += 1
         return tokens
 
     def _probe(self, pending: int, eos_ids) -> list[int]:
