@@ -46,22 +46,22 @@ class CappedResult:
     limit_bytes: int  # the cap the command ran under
 
 
-def available(root: Path = CGROUP_MEMORY_ROOT) -> str | None:
-    """None when capped runs work here, else why not (one line)."""
-    if not (root / "memory.limit_in_bytes").exists():
-        return f"no cgroup v1 memory controller at {root}"
+def _controller(root: Path, control: str, what: str) -> str | None:
+    if not (root / control).exists():
+        return f"no cgroup v1 {what} at {root}"
     if not os.access(root, os.W_OK):
         return f"{root} is not writable (run as root)"
     return None
+
+
+def available(root: Path = CGROUP_MEMORY_ROOT) -> str | None:
+    """None when capped runs work here, else why not (one line)."""
+    return _controller(root, "memory.limit_in_bytes", "memory controller")
 
 
 def throttle_available(root: Path = CGROUP_BLKIO_ROOT) -> str | None:
     """None when read throttles work here, else why not (one line)."""
-    if not (root / "blkio.throttle.read_bps_device").exists():
-        return f"no cgroup v1 blkio throttle at {root}"
-    if not os.access(root, os.W_OK):
-        return f"{root} is not writable (run as root)"
-    return None
+    return _controller(root, "blkio.throttle.read_bps_device", "blkio throttle")
 
 
 def disk_of(path) -> str:

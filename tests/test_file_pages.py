@@ -74,6 +74,17 @@ def evictable(path) -> bool:
     return cached_share(path) < 0.5
 
 
+def warm_checkpoint(model_dir) -> list[tuple[str, int, int]]:
+    """Every weight file of the checkpoint read into the page cache; its resident spans (skips on tmpfs)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not evictable(files[0]):
+        pytest.skip("this file system keeps clean pages (tmpfs)")
+    spans = resident_spans(model_dir)
+    for f in files:
+        warm(f)
+    return spans
+
+
 def test_drop_pages_evicts_that_file_only(tiny_qwen, tmp_path):
     f = next(tiny_qwen.glob("*.safetensors"))
     other = tmp_path / "other.bin"
@@ -90,12 +101,7 @@ def test_drop_pages_evicts_that_file_only(tiny_qwen, tmp_path):
 
 @pytest.mark.parametrize("io_mode, dropped", [("direct", True), ("buffered", False)])
 def test_load_drops_resident_pages_only_with_direct_io(tiny_qwen, io_mode, dropped):
-    files = sorted(tiny_qwen.glob("*.safetensors"))
-    if not evictable(files[0]):
-        pytest.skip("this file system keeps clean pages (tmpfs)")
-    spans = resident_spans(tiny_qwen)
-    for f in files:
-        warm(f)
+    spans = warm_checkpoint(tiny_qwen)
     assert resident_share(spans) > 0.9
     om = OffloadedModel.load(tiny_qwen, OffloadConfig(budget="50%", io_mode=io_mode))
     try:
@@ -130,12 +136,7 @@ def test_resident_pages_go_before_the_expert_cache_allocates(tiny_qwen, monkeypa
     the expert cache is built, the resident weights are evaluated and their pages dropped."""
     import runtime.decode.offloaded_model as om_module
 
-    files = sorted(tiny_qwen.glob("*.safetensors"))
-    if not evictable(files[0]):
-        pytest.skip("this file system keeps clean pages (tmpfs)")
-    spans = resident_spans(tiny_qwen)
-    for f in files:
-        warm(f)
+    spans = warm_checkpoint(tiny_qwen)
     seen = []
     real = om_module.ExpertCache
 
