@@ -30,7 +30,8 @@ KV_BITS_WITH_DRAFT = ("--kv-bits with --draft: the speculative decoder keeps its
 def io_mode_option():
     return typer.Option("buffered", "--io-mode",
                         help="buffered (through the page cache) or direct (O_DIRECT/F_NOCACHE: reads bypass the page "
-                             "cache, so paged experts are not held in RAM twice; docs/flags.md).")
+                             "cache, so paged experts are not held in RAM twice, and on Linux the loaded weights' file pages are dropped; "
+                             "docs/flags.md).")
 
 
 def governor_option():
