@@ -157,3 +157,26 @@ def test_no_window_drafts_past_the_last_token_wanted(tiny_dirs, monkeypatch):
             assert dec.draft_length.next_k() == 3  # a cut window left K at k_max
     finally:
         om.close()
+
+
+def test_a_decoder_runs_one_generation(tiny_dirs):
+    """Its KV caches keep the context it ran: a second generation on the same decoder would continue that context
+    and emit other tokens than the target's, so it is refused in one line."""
+    import json
+
+    from runtime.decode.pairing import build_predictor, make_drafter
+    from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
+
+    path = tiny_dirs["qwen3_moe"]
+    om = OffloadedModel.load(path, OffloadConfig(budget="100%", threads=1))
+    try:
+        dmodel, _ = load(str(path))
+        config = json.loads((path / "config.json").read_text())
+        dec = SpeculativeDecoder(om, make_drafter(dmodel, "none"), build_predictor("none", om, dmodel, config),
+                                 SpecConfig(num_draft=3))
+        ids = om.tokenizer.encode(PROMPT)
+        assert dec.generate(ids, 6) == greedy_ids(om.model, ids, 6)
+        with pytest.raises(RuntimeError, match="one per generation"):
+            dec.generate(ids, 6)
+    finally:
+        om.close()

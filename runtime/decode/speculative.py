@@ -22,6 +22,8 @@ is the last emitted token (not yet seen by the target):
             snapshot taken before verify and the accepted tokens are re-run.
             Queued prefetches of the round are cancelled.
 
+A decoder runs one generation (stream/generate): its KV caches keep that context, so a second is refused.
+
 Invariant: greedy output equals greedy decoding of the target alone; sampled
 output has the target's distribution. The predictor only changes what is read
 when, never what is computed. "Equals" is bit-exact where verify windows run
@@ -118,6 +120,7 @@ class SpeculativeDecoder:
         if self._pass is not None:  # layers whose windows keep missing sync before their experts (window_routes.py)
             self._pass.route_windows = self._route
         self.draft_length = DraftLength(cfg.num_draft, adaptive=cfg.adaptive_k)
+        self._streamed = False  # one generation per decoder: its caches keep the context it ran
 
     # -- phases ------------------------------------------------------------------------
     def _forecast_and_prefetch(self, taps: DraftTaps) -> None:
@@ -353,6 +356,10 @@ class SpeculativeDecoder:
         PrefillProgress showing the prompt's processing."""
         if max_tokens < 1:
             raise ValueError(f"--max-tokens {max_tokens}; expected >= 1")
+        if self._streamed:
+            raise RuntimeError("this SpeculativeDecoder already ran a generation and its KV caches hold that context; "
+                               "build one per generation (runtime.decode.speculative_decoder)")
+        self._streamed = True
         meter = PrefillMeter(self.target, max(0, len(prompt_ids) - 1), progress).start()
         try:
             pending = self.prefill(prompt_ids, on_chunk=meter.on_chunk)
