@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.synthetic_checkpoint import write_expert_checkpoint  # noqa: E402
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig  # noqa: E402
 from storage.packer import convert  # noqa: E402
-from storage.reader import drop_page_cache  # noqa: E402
+from storage import drop_pages  # noqa: E402
 
 TARGET = 0.9  # loader GB/s / dd-style GB/s
 
@@ -39,7 +39,7 @@ def _drop(files) -> None:
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        drop_page_cache(f)
+        drop_pages(f)
 
 
 def sequential_read_gbps(path: str, block: int = 8 << 20) -> float:

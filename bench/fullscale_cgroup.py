@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage import drop_pages
+
 CGROUP_MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP_BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 _counter = itertools.count()
@@ -174,13 +176,5 @@ def run_uncapped(cmd: list[str], *, stdout=None, stderr=None, env=None) -> Cappe
 
 
 def drop_file_cache(paths) -> int:
-    """Evict these files' pages from the page cache (POSIX_FADV_DONTNEED); returns bytes covered."""
-    total = 0
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            total += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return total
+    """Evict these files' pages from the page cache (storage.drop_pages); returns bytes covered."""
+    return sum(drop_pages(p) for p in paths)

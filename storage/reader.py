@@ -24,16 +24,6 @@ IO_MODES = ("buffered", "direct")
 _DIRECT_ALIGN = 4096
 
 
-def drop_page_cache(path) -> None:
-    """Ask the OS to forget cached pages of `path` (a cold-cache benchmark aid)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 class RangeReader:
     """Reads (path, offset) ranges into lists of writable buffers."""
 

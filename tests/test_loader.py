@@ -10,7 +10,8 @@ import pytest
 from tests.conftest import GatedReader, expert_views as _views
 from storage import AsyncLoader, ExpertKey, ExpertStore, LoaderConfig, StoreError
 from storage.loader import DEMAND, PREFETCH
-from storage.reader import RangeReader, drop_page_cache
+from storage import drop_pages
+from storage.reader import RangeReader
 
 
 class FlakyReader(RangeReader):
@@ -153,7 +154,7 @@ def test_permanent_errors_name_layer_expert_file_and_offset(store):
 def test_direct_io_reads_the_same_bytes(store):
     layer = store.moe_layers[0]
     for path in {r.path for e in range(4) for r in store.ranges(ExpertKey(layer, e))}:
-        drop_page_cache(path)
+        drop_pages(path)
     loader = AsyncLoader(store, LoaderConfig(threads=2, io_mode="direct"))
     for e in range(4):
         key = ExpertKey(layer, e)
