@@ -127,10 +127,10 @@ def test_a_cut_window_keeps_k():
     assert length.next_k() == 4 and length.acceptance < 1.0  # its share still counts
 
 
-def test_no_window_drafts_past_the_last_token_wanted(tiny_dirs, monkeypatch):
-    """A drafter that is always accepted (the target's own weights) drafts to the end of the generation; each round's
-    window holds at most the tokens still wanted, so no draft is read, computed and thrown away, and the tokens stay
-    the target's."""
+@pytest.fixture()
+def self_drafting(tiny_dirs):
+    """(om, new_decoder): the qwen3_moe target fully resident and a factory of K = 3 decoders whose drafter is the
+    target's own weights, so every draft is accepted."""
     import json
 
     from runtime.decode.pairing import build_predictor, make_drafter
@@ -138,45 +138,40 @@ def test_no_window_drafts_past_the_last_token_wanted(tiny_dirs, monkeypatch):
 
     path = tiny_dirs["qwen3_moe"]
     om = OffloadedModel.load(path, OffloadConfig(budget="100%", threads=1))
+    dmodel, _ = load(str(path))
+    config = json.loads((path / "config.json").read_text())
     try:
-        dmodel, _ = load(str(path))
-        config = json.loads((path / "config.json").read_text())
-        ids = om.tokenizer.encode(PROMPT)
-        for n in (7, 9, 10):
-            dec = SpeculativeDecoder(om, make_drafter(dmodel, "none"), build_predictor("none", om, dmodel, config),
-                                     SpecConfig(num_draft=3))
-            windows = []
-            verify = dec._verify
-            monkeypatch.setattr(dec, "_verify", lambda w, snap: windows.append(len(w)) or verify(w, snap))
-            out = dec.generate(ids, n)
-            assert out == greedy_ids(om.model, ids, n)
-            assert dec.stats.acceptance == 1.0 and 4 in windows  # full windows ran, every draft accepted ...
-            # ... and emitted: each round emits its accepted drafts and the target's own token (a probe's accepted
-            # proposal is that token)
-            assert dec.stats.n_accepted + dec.stats.n_rounds - dec.stats.n_probes == n, dec.stats.to_json()
-            assert dec.draft_length.next_k() == 3  # a cut window left K at k_max
+        yield om, lambda: SpeculativeDecoder(om, make_drafter(dmodel, "none"), build_predictor("none", om, dmodel, config),
+                                             SpecConfig(num_draft=3))
     finally:
         om.close()
 
 
-def test_a_decoder_runs_one_generation(tiny_dirs):
+def test_no_window_drafts_past_the_last_token_wanted(self_drafting, monkeypatch):
+    """A drafter that is always accepted drafts to the end of the generation; each round's window holds at most the
+    tokens still wanted, so no draft is read, computed and thrown away, and the tokens stay the target's."""
+    om, new_decoder = self_drafting
+    ids = om.tokenizer.encode(PROMPT)
+    for n in (7, 9, 10):
+        dec = new_decoder()
+        windows = []
+        verify = dec._verify
+        monkeypatch.setattr(dec, "_verify", lambda w, snap: windows.append(len(w)) or verify(w, snap))
+        out = dec.generate(ids, n)
+        assert out == greedy_ids(om.model, ids, n)
+        assert dec.stats.acceptance == 1.0 and 4 in windows  # full windows ran, every draft accepted ...
+        # ... and emitted: each round emits its accepted drafts and the target's own token (a probe's accepted
+        # proposal is that token)
+        assert dec.stats.n_accepted + dec.stats.n_rounds - dec.stats.n_probes == n, dec.stats.to_json()
+        assert dec.draft_length.next_k() == 3  # a cut window left K at k_max
+
+
+def test_a_decoder_runs_one_generation(self_drafting):
     """Its KV caches keep the context it ran: a second generation on the same decoder would continue that context
     and emit other tokens than the target's, so it is refused in one line."""
-    import json
-
-    from runtime.decode.pairing import build_predictor, make_drafter
-    from runtime.decode.speculative import SpecConfig, SpeculativeDecoder
-
-    path = tiny_dirs["qwen3_moe"]
-    om = OffloadedModel.load(path, OffloadConfig(budget="100%", threads=1))
-    try:
-        dmodel, _ = load(str(path))
-        config = json.loads((path / "config.json").read_text())
-        dec = SpeculativeDecoder(om, make_drafter(dmodel, "none"), build_predictor("none", om, dmodel, config),
-                                 SpecConfig(num_draft=3))
-        ids = om.tokenizer.encode(PROMPT)
-        assert dec.generate(ids, 6) == greedy_ids(om.model, ids, 6)
-        with pytest.raises(RuntimeError, match="one per generation"):
-            dec.generate(ids, 6)
-    finally:
-        om.close()
+    om, new_decoder = self_drafting
+    dec = new_decoder()
+    ids = om.tokenizer.encode(PROMPT)
+    assert dec.generate(ids, 6) == greedy_ids(om.model, ids, 6)
+    with pytest.raises(RuntimeError, match="one per generation"):
+        dec.generate(ids, 6)
