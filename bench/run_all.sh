@@ -148,6 +148,7 @@ run fullscale_peer bash -c 'd=${FULLSCALE_DIR:-/tmp}/fullscale-qwen3-30b-a3b; v=
 run loader python bench/bench_loader.py --trials 5
 # the flags taken out of main or kept for memory (docs/flags.md): loader threads 1/2/4/8, a warm start below 100%, --kv-bits
 run loader_threads python bench/bench_loader_threads.py --trials 8 --experts 256
+run loader_pieces bash -c 'g=${FULLSCALE_DIR:-/tmp}/fullscale-gpt-oss-20b; q=${FULLSCALE_DIR:-/tmp}/fullscale-qwen3-30b-a3b; [[ -d $g ]] || python -m bench.fullscale_checkpoint --preset gpt-oss-20b --out "$g" >&2 || exit 1; [[ -d $q ]] || python -m bench.fullscale_checkpoint --preset qwen3-30b-a3b --out "$q" >&2 || exit 1; python bench/bench_loader_pieces.py --model "$g" --model "$q" --misses 1,3,6 --trials 80'
 run warm python bench/bench_warm.py --trials 6
 run kv_bits python bench/bench_kv_bits.py --contexts 5200 --tokens 16 --bits 8,4
 run telemetry python bench/bench_telemetry.py --trials 7

@@ -26,9 +26,14 @@ Spec grammar (`--inject`): faults separated by ";", each `kind[:key=value,...]`:
     bytes=B            bytes `short` delivers (default: half the range)
 e.g. "eio:layer=1,expert=3,times=2;slow:ms=5;flip:layer=2,times=1".
 
-Invariants: a read that no fault matches is passed through untouched; counters
-and the random stream are guarded by one lock, so faults fire exactly `times`
-times even with many I/O threads.
+Faults act on a record's positioned reads that start a range. The loader cuts a long
+range into pieces (storage/read_plan.py); the reads that continue a range are passed
+through, so a fault fires once per range however it is cut, and a `slow` delay stays
+one per expert read of a packed store.
+
+Invariants: a read that no fault matches, and a read continuing a range, is passed
+through untouched; counters and the random stream are guarded by one lock, so faults
+fire exactly `times` times even with many I/O threads.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import math
 import random
 import threading
 import time
+import bisect
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -154,13 +160,25 @@ class FaultyReader:
         self.n_reads = 0  # reads seen (faulty or not)
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, int], ExpertKey] = {}
+        self._spans: dict[str, tuple[list[int], list[int]]] = {}  # path -> (range starts sorted, their ends)
         if store is not None:
             # Reads arrive as (path, offset); faults name (layer, expert): map one to the other.
+            spans: dict[str, list[tuple[int, int]]] = {}
             for layer in store.moe_layers:
                 for e in range(store.layout(layer).n_experts):
                     key = ExpertKey(layer, e)
                     for r in store.ranges(key):
                         self._keys[(r.path, r.offset)] = key
+                        spans.setdefault(r.path, []).append((r.offset, r.offset + r.nbytes))
+            for path, s in spans.items():
+                s.sort()
+                self._spans[path] = ([a for a, _ in s], [b for _, b in s])
+
+    def _continues_a_range(self, path: str, offset: int) -> bool:
+        """Whether a read at `offset` starts inside an expert range, past its first byte (a later piece of it)."""
+        starts, ends = self._spans.get(path, ((), ()))
+        i = bisect.bisect_right(starts, offset) - 1
+        return i >= 0 and starts[i] < offset < ends[i]
 
     def _choose(self, key: ExpertKey | None, path: str, offset: int) -> list[FaultSpec]:
         with self._lock:
@@ -173,6 +191,8 @@ class FaultyReader:
 
     def read(self, path: str, offset: int, buffers: list) -> int:
         key = self._keys.get((path, offset))
+        if key is None and self._continues_a_range(path, offset):
+            return self.inner.read(path, offset, buffers)
         fired = self._choose(key, path, offset)
         kinds = {s.kind for s in fired}
         for s in fired:

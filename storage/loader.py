@@ -3,18 +3,23 @@
 Contract:
 - submit() queues one (key, views) read; demand requests (priority 0) are served
   before prefetches (priority >= 1), lower priority first, then FIFO.
+- A ticket's bytes are read as pieces (storage/read_plan.py, at most piece_bytes
+  each): several threads read one large expert at once. A ticket keeps its place
+  in the queue until its last piece is taken; it is done when every piece is read.
 - A key already queued or being read is not read twice: the second submit gets
   the first ticket (and raises its priority if the new one is more urgent);
   promote(ticket) raises the priority of a ticket the caller already holds.
 - cancel_stale(round_id) drops queued prefetches of other rounds; a read already
-  started is never interrupted.
+  started (any piece taken) is never interrupted.
 - Transient OS errors, and reads that return fewer bytes than asked, are
-  retried (bounded, with backoff); with verify_checksums
-  a CRC mismatch is re-read once. A request that cannot be served fails its
-  ticket with a StoreError naming layer, expert, file and offset.
-- wait_all() reads any of its tickets no I/O thread has started yet on the calling
+  retried per piece (bounded, with backoff); with verify_checksums the whole
+  record is checked once its last piece is in, and a CRC mismatch is re-read once.
+  A request that cannot be served fails its ticket with a StoreError naming
+  layer, expert, file and offset.
+- wait_all() reads any piece of its tickets no I/O thread has taken yet on the calling
   thread (most urgent first) instead of waiting for a thread to wake for it; a caller
-  about to wait submits its first read with wake=False (no thread woken for it).
+  about to wait submits its first read with wake=False (no thread woken for its first
+  piece; one for each further piece).
 - No ticket is left unserved: one queued with wake=False is taken by the next woken
   I/O thread, by wake(), drain() or close() if its caller does not wait for it.
 - on_done(ticket) runs exactly once per ticket (done, failed or cancelled) before
@@ -34,6 +39,7 @@ from typing import Callable
 from storage.checksum import crc32_of
 from storage.errors import StoreError
 from storage.keys import ExpertKey
+from storage.read_plan import PieceRead, plan_pieces
 from storage.reader import IO_MODES, RangeReader
 
 DEMAND = 0
@@ -47,6 +53,7 @@ class LoaderConfig:
     verify_checksums: bool = False  # check packed-record CRC32 after every read
     max_retries: int = 3  # attempts after the first for transient OS errors
     retry_backoff_ms: float = 2.0  # first backoff; doubles each retry
+    piece_bytes: int | None = 512 << 10  # largest read one thread does for a ticket (None: a ticket is one piece)
 
     def __post_init__(self):
         if not 1 <= self.threads <= 64:
@@ -55,6 +62,8 @@ class LoaderConfig:
             raise ValueError(f"LoaderConfig.io_mode={self.io_mode!r}; expected one of {IO_MODES}")
         if self.max_retries < 0:
             raise ValueError(f"LoaderConfig.max_retries={self.max_retries}; expected >= 0")
+        if self.piece_bytes is not None and self.piece_bytes < 1:
+            raise ValueError(f"LoaderConfig.piece_bytes={self.piece_bytes}; expected None or a positive byte count")
 
 
 @dataclass
@@ -85,8 +94,18 @@ class LoadTicket:
     on_done: Callable[["LoadTicket"], None] | None = None
     error: BaseException | None = None  # set if the read failed
     cancelled: bool = False  # dropped before it started
-    started: bool = False  # a thread has begun reading
+    pieces: list = field(default_factory=list)  # list[list[PieceRead]]: what one thread reads at a time
+    claimed: int = 0  # pieces taken by a thread, in order
+    left: int = 0  # pieces not finished yet
     _event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def started(self) -> bool:
+        """A thread has taken a piece: the read can no longer be cancelled."""
+        return self.claimed > 0
+
+    def unclaimed(self) -> bool:
+        return self.claimed < len(self.pieces)
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -136,13 +155,15 @@ class AsyncLoader:
             ticket = self._inflight.get(key)
             if ticket is not None:
                 self.stats.n_deduped += 1
-                if priority < ticket.priority and not ticket.started:
+                if priority < ticket.priority and ticket.unclaimed():
                     ticket.priority = priority
                     self.stats.n_promoted += 1
                     heapq.heappush(self._heap, (priority, next(self._seq), ticket))
                     self._work.notify()
                 return ticket
             ticket = LoadTicket(key, views, priority, round_id, on_done)
+            ticket.pieces = plan_pieces(self.store.reads(key, views), self.config.piece_bytes)
+            ticket.left = len(ticket.pieces)
             self._inflight[key] = ticket
             self._active += 1
             self.stats.n_requests += 1
@@ -151,8 +172,9 @@ class AsyncLoader:
             else:
                 self.stats.n_prefetch += 1
             heapq.heappush(self._heap, (priority, next(self._seq), ticket))
-            if wake:
-                self._work.notify()
+            helpers = min(len(ticket.pieces) - (not wake), self.config.threads)
+            if helpers > 0:
+                self._work.notify(helpers)
             return ticket
 
     def wake(self) -> None:
@@ -161,13 +183,13 @@ class AsyncLoader:
             self._work.notify_all()
 
     def wait_all(self, tickets: list[LoadTicket]) -> None:
-        """Block until every ticket is done; raise the first error (after all finished). A read no I/O thread
-        has started yet is run by the waiter itself, most urgent first: it would otherwise wait for a thread
+        """Block until every ticket is done; raise the first error (after all finished). A piece no I/O thread
+        has taken yet is read by the waiter itself, most urgent first: it would otherwise wait for a thread
         to wake (~0.1 ms here per hand-off) while the I/O threads take the rest."""
         t0 = time.perf_counter()
         for t in sorted(tickets, key=lambda t: t.priority):
-            if self._claim(t):
-                self._run(t)
+            while (i := self._claim(t)) is not None:
+                self._run(t, i)
         for t in tickets:
             t._event.wait()
         with self._cv:
@@ -181,7 +203,7 @@ class AsyncLoader:
     def promote(self, ticket: LoadTicket, priority: int = DEMAND) -> None:
         """Serve a still-queued `ticket` at `priority` (no-op once its read has started)."""
         with self._cv:
-            if ticket.started or ticket.cancelled or ticket.done() or priority >= ticket.priority:
+            if not ticket.unclaimed() or ticket.cancelled or ticket.done() or priority >= ticket.priority:
                 return
             ticket.priority = priority
             self.stats.n_promoted += 1
@@ -231,65 +253,85 @@ class AsyncLoader:
                     woken = True
                 if self._closed and not self._heap:
                     return
-                prio, _, ticket = heapq.heappop(self._heap)
-                if ticket.cancelled or ticket.started or prio != ticket.priority:
-                    continue  # stale heap entry (cancelled, started by a waiter, or re-pushed at a new priority)
-                ticket.started = True
+                prio, seq, ticket = heapq.heappop(self._heap)
+                if ticket.cancelled or not ticket.unclaimed() or prio != ticket.priority:
+                    continue  # stale heap entry (cancelled, taken by a waiter, or re-pushed at a new priority)
+                i = self._take(ticket)
+                if ticket.unclaimed():
+                    heapq.heappush(self._heap, (prio, seq, ticket))  # the rest keeps its place in the queue
             woken = False
-            self._run(ticket)
+            self._run(ticket, i)
 
-    def _claim(self, ticket: LoadTicket) -> bool:
-        """Take a queued ticket for the calling thread (its heap entry goes stale); False if it was taken."""
-        with self._cv:
-            if ticket.started or ticket.cancelled or ticket.done() or self._closed:
-                return False
-            ticket.started = True
-            return True
+    def _take(self, ticket: LoadTicket) -> int:
+        """The index of the ticket's next piece, now claimed (lock held)."""
+        ticket.claimed += 1
+        return ticket.claimed - 1
 
-    def _run(self, ticket: LoadTicket) -> None:
-        """Read a claimed ticket and finish it, on whichever thread claimed it."""
-        self._read(ticket)
+    def _claim(self, ticket: LoadTicket) -> int | None:
+        """Take the next unread piece of `ticket` for the calling thread; None if none is left to take. After
+        close() only tickets already started are served (their other pieces are in flight)."""
         with self._cv:
-            self._inflight.pop(ticket.key, None)
+            if ticket.cancelled or not ticket.unclaimed() or (self._closed and not ticket.started):
+                return None
+            return self._take(ticket)
+
+    def _run(self, ticket: LoadTicket, i: int) -> None:
+        """Read piece `i` of a ticket; the thread that finishes its last piece checks and finishes the ticket."""
+        error = self._read_piece(ticket, ticket.pieces[i])
+        with self._cv:
+            if error is not None and ticket.error is None:
+                ticket.error = error
+            ticket.left -= 1
+            if ticket.left:
+                return
+        if ticket.error is None and self.config.verify_checksums:
+            self._verify(ticket)
+        with self._cv:
+            self.stats.n_failed += ticket.error is not None
+            if self._inflight.get(ticket.key) is ticket:
+                del self._inflight[ticket.key]
         self._finish(ticket)
 
-    def _read(self, ticket: LoadTicket) -> None:
+    def _read_piece(self, ticket: LoadTicket, piece: list[PieceRead]) -> BaseException | None:
+        """Read one piece, retrying transient errors and short reads; the error that ends it, or None."""
         key, cfg = ticket.key, self.config
         t0 = time.perf_counter()
-        attempts, checksum_retried = 0, False
-        expected = sum(memoryview(v).nbytes for v in ticket.views)
+        expected = sum(r.nbytes for r in piece)
+        attempts = 0
         while True:
             try:
-                n = self.store.read_into(key, ticket.views, self.reader)
+                n = sum(self.reader.read(r.path, r.offset, r.views) for r in piece)
                 if n != expected:
                     # A reader that returns short must not get its buffers committed: retry.
                     raise OSError(errno.EIO, f"short read ({n} of {expected} bytes)")
-                if cfg.verify_checksums and not self._checksum_ok(key, ticket.views):
-                    if checksum_retried:
-                        rng = self.store.ranges(key)[0]
-                        raise StoreError(rng.path, f"checksum mismatch for expert {key.expert} of layer {key.layer} at offset {rng.offset}", tensor=f"layer {key.layer} expert {key.expert}")
-                    checksum_retried = True
-                    with self._cv:
-                        self.stats.n_retries += 1
-                    continue
                 with self._cv:
                     self.stats.bytes_read += n
                     self.stats.read_ms += (time.perf_counter() - t0) * 1e3
-                return
+                return None
             except OSError as e:
                 attempts += 1
                 if attempts > cfg.max_retries:
-                    rng = self.store.ranges(key)[0]
-                    ticket.error = StoreError(rng.path, f"reading expert {key.expert} of layer {key.layer} at offset {rng.offset} failed after {attempts} attempts: {e.strerror or e}")
-                    break
+                    return StoreError(piece[0].path, f"reading expert {key.expert} of layer {key.layer} at offset {piece[0].offset} failed after {attempts} attempts: {e.strerror or e}")
                 with self._cv:
                     self.stats.n_retries += 1
                 time.sleep(cfg.retry_backoff_ms * (2 ** (attempts - 1)) / 1e3)
             except BaseException as e:  # a StoreError or a bug: never leave the ticket hanging
-                ticket.error = e
-                break
+                return e
+
+    def _verify(self, ticket: LoadTicket) -> None:
+        """Check a fully read record's CRC; on a mismatch read it again once (every piece, on this thread)."""
+        key = ticket.key
+        if self._checksum_ok(key, ticket.views):
+            return
         with self._cv:
-            self.stats.n_failed += 1
+            self.stats.n_retries += 1
+        for piece in ticket.pieces:
+            ticket.error = self._read_piece(ticket, piece)
+            if ticket.error is not None:
+                return
+        if not self._checksum_ok(key, ticket.views):
+            rng = self.store.ranges(key)[0]
+            ticket.error = StoreError(rng.path, f"checksum mismatch for expert {key.expert} of layer {key.layer} at offset {rng.offset}", tensor=f"layer {key.layer} expert {key.expert}")
 
     def _checksum_ok(self, key: ExpertKey, views: list) -> bool:
         expected = self.store.checksum(key)
@@ -308,13 +350,15 @@ class AsyncLoader:
                 self._cv.notify_all()
 
     def close(self) -> None:
+        """Cancel every ticket no thread has started; pieces left of started ones are read before the threads end."""
         with self._cv:
             self._closed = True
             for _, _, t in self._heap:
                 if not t.started and not t.cancelled:
                     t.cancelled = True
             stale = [t for _, _, t in self._heap if t.cancelled and not t.started]
-            self._heap.clear()
+            self._heap = [e for e in self._heap if e[2].started and e[2].unclaimed()]
+            heapq.heapify(self._heap)
             self._work.notify_all()
             self._cv.notify_all()
         for t in stale:

@@ -195,13 +195,18 @@ class ExpertStore:
         return self._ranges[key.layer][key.expert]
 
     # -- reading ---------------------------------------------------------------------
-    def read_into(self, key: ExpertKey, views: list, reader: RangeReader | None = None) -> int:
-        """Fill `views` (one writable uint8 buffer per layout tensor) with expert `key`."""
-        reader = reader or self.reader
+    def reads(self, key: ExpertKey, views: list) -> list[tuple[str, int, list]]:
+        """The positioned reads filling `views` (one writable uint8 buffer per layout tensor) with expert `key`:
+        (path, offset, buffers) in layout order. A packed record is one read into every buffer."""
         rngs = self.ranges(key)
         if len(rngs) == 1:
-            return reader.read(rngs[0].path, rngs[0].offset, views)
-        return sum(reader.read(r.path, r.offset, [v]) for r, v in zip(rngs, views, strict=True))
+            return [(rngs[0].path, rngs[0].offset, list(views))]
+        return [(r.path, r.offset, [v]) for r, v in zip(rngs, views, strict=True)]
+
+    def read_into(self, key: ExpertKey, views: list, reader: RangeReader | None = None) -> int:
+        """Fill `views` (one writable uint8 buffer per layout tensor) with expert `key`, on this thread."""
+        reader = reader or self.reader
+        return sum(reader.read(path, offset, bufs) for path, offset, bufs in self.reads(key, views))
 
     def checksum(self, key: ExpertKey) -> int | None:
         """Stored CRC32 of a packed record (None for raw checkpoints)."""

@@ -285,6 +285,23 @@ def test_fault_counts_are_exact_under_many_threads(store):
     assert len(failures) == 25 and reader.n_reads == 8 * 32
 
 
+def test_a_fault_fires_once_per_range_however_the_loader_cuts_it(store):
+    """The loader reads a record in pieces; the reads continuing a range pass through, so an unfiltered `slow`
+    delays one read per expert (as the benches that emulate a per-read latency assume) and the bytes are intact."""
+    from storage import AsyncLoader, LoaderConfig
+
+    layer = store.moe_layers[1]
+    reader = FaultyReader(RangeReader(), "slow:ms=0", store)
+    loader = AsyncLoader(store, LoaderConfig(threads=2, piece_bytes=1024), reader=reader)
+    views = {e: _views(store, layer) for e in range(6)}
+    tickets = [loader.submit(ExpertKey(layer, e), v) for e, v in views.items()]
+    loader.wait_all(tickets)
+    loader.close()
+    assert all(len(t.pieces) > 1 for t in tickets)
+    assert reader.counts == {"slow": 6} and reader.n_reads == 6
+    assert all(_bytes(v) == _clean(store, ExpertKey(layer, e)) for e, v in views.items())
+
+
 def test_range_reader_loops_over_partial_preadv(store, monkeypatch):
     """Kernels may return fewer bytes than asked (signals, network filesystems)."""
     import os

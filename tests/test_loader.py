@@ -226,3 +226,115 @@ def test_a_ticket_nobody_waits_for_is_still_read(store):
     loader.drain(timeout=2)
     assert drained.done() and drained.error is None and loader.pending() == 0
     loader.close()
+
+
+# -- pieces: one ticket read by several threads ------------------------------------------------------------------
+class SlowThreadReader(RangeReader):
+    """Every read takes `ms`; records (offset, thread name) of each read."""
+
+    def __init__(self, ms: float = 10.0):
+        super().__init__("buffered")
+        self.ms, self.by, self.lock = ms, [], threading.Lock()
+
+    def read(self, path, offset, buffers):
+        time.sleep(self.ms / 1e3)
+        with self.lock:
+            self.by.append((offset, threading.current_thread().name))
+        return super().read(path, offset, buffers)
+
+
+def test_a_large_expert_is_read_by_several_threads_in_pieces(store):
+    """piece_bytes below the record's size: the caller and the woken I/O threads each read a share of one
+    expert; the bytes, the stats and the single on_done are as for one read."""
+    layer = store.moe_layers[0]
+    key = ExpertKey(layer, 5)
+    nbytes = store.layout(layer).expert_bytes
+    reader = SlowThreadReader()
+    loader = AsyncLoader(store, LoaderConfig(threads=3, piece_bytes=1024), reader=reader)
+    views, calls = _views(store, layer), []
+    ticket = loader.submit(key, views, wake=False, on_done=calls.append)
+    assert len(ticket.pieces) == -(-nbytes // 1024) > 3
+    loader.wait_all([ticket])
+    assert b"".join(v.tobytes() for v in views) == _expected(store, key)
+    assert len({name for _, name in reader.by}) >= 3  # the caller and at least two I/O threads
+    assert sorted(o for o, _ in reader.by) == [store.ranges(key)[0].offset + i * 1024 for i in range(len(ticket.pieces))]
+    assert calls == [ticket] and loader.stats.bytes_read == nbytes and loader.stats.n_requests == 1
+    loader.close()
+
+
+def test_pieces_of_a_ticket_nobody_waits_for_are_all_read_by_the_threads(store):
+    layer = store.moe_layers[1]
+    loader = AsyncLoader(store, LoaderConfig(threads=2, piece_bytes=1024), reader=SlowThreadReader(1))
+    views = [_views(store, layer) for _ in range(3)]
+    tickets = [loader.submit(ExpertKey(layer, e), v, priority=PREFETCH, round_id=1) for e, v in zip((1, 2, 3), views)]
+    loader.drain(timeout=5)
+    assert all(t.done() and t.error is None for t in tickets)
+    assert all(b"".join(x.tobytes() for x in v) == _expected(store, ExpertKey(layer, e)) for e, v in zip((1, 2, 3), views))
+    loader.close()
+
+
+def test_a_started_ticket_is_neither_cancelled_nor_left_unfinished_by_close(store):
+    """A thread has taken the first piece: cancel_stale() leaves the ticket alone, and close() lets the threads
+    read its other pieces before they end (the waiter is released with the whole record)."""
+    layer = store.moe_layers[0]
+    key = ExpertKey(layer, 7)
+    reader = GatedReader()
+    loader = AsyncLoader(store, LoaderConfig(threads=1, piece_bytes=1024), reader=reader)
+    views = _views(store, layer)
+    ticket = loader.submit(key, views, priority=PREFETCH, round_id=1)
+    queued = loader.submit(ExpertKey(layer, 8), _views(store, layer), priority=PREFETCH, round_id=1)
+    time.sleep(0.05)  # the thread holds the first piece at the gate
+    assert ticket.started and ticket.unclaimed() and not queued.started
+    assert loader.cancel_stale(2) == 1 and queued.cancelled and not ticket.cancelled
+    closer = threading.Thread(target=loader.close)
+    closer.start()
+    time.sleep(0.05)
+    reader.gate.set()
+    closer.join(5)
+    ticket.wait(1)
+    assert b"".join(v.tobytes() for v in views) == _expected(store, key)
+
+
+class FailAtReader(RangeReader):
+    """Fails every read at `offset` with EIO."""
+
+    def __init__(self, offset: int):
+        super().__init__("buffered")
+        self.offset = offset
+
+    def read(self, path, offset, buffers):
+        if offset == self.offset:
+            raise OSError(5, "Input/output error")
+        return super().read(path, offset, buffers)
+
+
+def test_a_failed_piece_fails_its_ticket_once_naming_the_piece(store):
+    layer = store.moe_layers[2]
+    key = ExpertKey(layer, 4)
+    bad = store.ranges(key)[0].offset + 2048  # the third piece
+    calls = []
+    loader = AsyncLoader(store, LoaderConfig(threads=2, piece_bytes=1024, max_retries=1, retry_backoff_ms=0.1),
+                         reader=FailAtReader(bad))
+    ticket = loader.submit(key, _views(store, layer), on_done=calls.append)
+    with pytest.raises(StoreError, match=f"expert 4 of layer {layer} at offset {bad} failed after 2 attempts"):
+        loader.wait_all([ticket])
+    assert calls == [ticket] and loader.stats.n_failed == 1 and loader.stats.n_retries == 1
+    assert loader.pending() == 0
+    ok = ExpertKey(layer, 5)
+    loader.wait_all([loader.submit(ok, _views(store, layer))])  # the loader keeps serving
+    loader.close()
+
+
+def test_checksums_are_checked_once_every_piece_is_in(tmp_path, tiny_qwen):
+    from storage.faults import FaultyReader
+    from storage.packer import convert
+
+    store = ExpertStore.open(convert(tiny_qwen, tmp_path / "p"))
+    key = ExpertKey(store.moe_layers[0], 3)
+    faulty = FaultyReader(RangeReader("buffered"), f"flip:layer={key.layer},expert={key.expert},times=1", store=store)
+    loader = AsyncLoader(store, LoaderConfig(threads=2, verify_checksums=True, piece_bytes=1024), reader=faulty)
+    views = _views(store, key.layer)
+    loader.wait_all([loader.submit(key, views)])  # the flipped first piece fails the CRC: read again, whole
+    assert faulty.counts["flip"] == 1 and loader.stats.n_retries == 1
+    assert b"".join(v.tobytes() for v in views) == _expected(store, key)
+    loader.close()
