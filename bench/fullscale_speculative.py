@@ -49,6 +49,7 @@ def run(model: Path, draft: Path | None, args, cap: int, json_path: Path, log) -
            str(args.max_tokens), "--budget", args.budget, "--raw-prompt", "--io-mode", args.io_mode, "--json", str(json_path)]
     if draft is not None:
         cmd += ["--draft", str(draft)] + (["--num-draft", str(args.num_draft)] if args.num_draft else [])
+        cmd += ["--predictor", args.predictor] if args.predictor else []
     drop_file_cache(checkpoint_files(model))
     throttle = {} if args.read_mbps is None else {"read_bps": int(args.read_mbps * 1e6), "device": disk_of(model)}
     with MemoryCgroup(cap, **throttle) as cg:
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", default="4GB", help="specmoe --budget")
     ap.add_argument("-n", "--max-tokens", type=int, default=12, help="greedy tokens per run")
     ap.add_argument("--num-draft", type=int, default=None, help="specmoe --num-draft (K; default: the CLI's)")
+    ap.add_argument("--predictor", default=None, choices=["none", "previous", "popularity", "spmoe"],
+                    help="specmoe --predictor for the speculative runs (default: the CLI's)")
     ap.add_argument("--pairs", type=int, default=3, help="plain/speculative pairs, alternating which runs first")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw prompt")
     ap.add_argument("--io-mode", default="direct", choices=["buffered", "direct"], help="specmoe --io-mode")

@@ -25,7 +25,8 @@ def test_pairs_under_a_cap_on_a_small_checkpoint(tmp_path):
     draft = write_random_drafter(tmp_path / "d", tmp_path / "ckpt", hidden=64, layers=2, seed=3)
     out = tmp_path / "spec.txt"
     assert fullscale_speculative.main(["--model", model, "--draft", str(draft), "--cap", "1GB", "--budget", "50%",
-                                       "-n", "8", "--pairs", "2", "--read-mbps", "200", "--out", str(out)]) == 0
+                                       "-n", "8", "--pairs", "2", "--read-mbps", "200", "--predictor", "previous",
+                                       "--out", str(out)]) == 0
     lines = out.read_text().splitlines()
     assert lines[0].startswith("# fullscale_speculative:") and "load average before" in lines[0]
     result = json.loads(lines[-1])
@@ -38,6 +39,7 @@ def test_pairs_under_a_cap_on_a_small_checkpoint(tmp_path):
         assert 0 < p["spec"]["cgroup_peak_gb"] <= 1.0 and not p["spec"]["oom_killed"]
         assert all(p[k]["disk_read_gb"] > 0 for k in ("plain", "spec"))  # the throttled group's reads, counted
         assert p["spec"]["acceptance"] < 0.5 and p["spec"]["n_plain_rounds"] > 0  # the drafter is not accepted
+        assert p["spec"]["predictor"] == "previous"  # --predictor reaches the speculative runs
     assert summary["ratios"] == pytest.approx([p["spec"]["tok_s"] / p["plain"]["tok_s"] for p in pairs])
     e2e = sorted(p["plain"]["e2e_s"] / p["spec"]["e2e_s"] for p in pairs)
     assert summary["e2e_min"] == pytest.approx(e2e[0]) and summary["e2e_max"] == pytest.approx(e2e[-1])
