@@ -95,9 +95,14 @@ def _env() -> dict:
     return env
 
 
-def specmoe_cmd(model: Path, prompt: str, n: int, budget: str, io_mode: str, json_path: Path) -> list[str]:
+def specmoe_cmd(model: Path, prompt: str, n: int, budget: str, io_mode: str, json_path: Path,
+                resident: bool = False) -> list[str]:
+    """`specmoe generate` for one row. resident: the uncapped 100% row that measures compute. It runs only when the
+    model fits with 1 GB to spare (as stock's resident row) and without the memory governor, which would otherwise
+    give experts back on a machine the checkpoint nearly fills and measure reads instead of compute."""
     return [sys.executable, "-m", "runtime.cli.app", "generate", "-m", str(model), "-p", prompt, "-n", str(n),
-            "--budget", budget, "--raw-prompt", "--io-mode", io_mode, "--json", str(json_path)]
+            "--budget", budget, "--raw-prompt", "--io-mode", io_mode, "--json", str(json_path)] + \
+        (["--no-memory-governor"] if resident else [])
 
 
 def stock_cmd(model: Path, prompt: str, n: int, json_path: Path) -> list[str]:
@@ -166,12 +171,12 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
         notes.append(f"stock resident: not runnable here ({psutil.virtual_memory().available / 1e9:.1f} GB available, "
                      f"the model is {size / 1e9:.1f} GB)")
     rounds = []  # per round: (resident specmoe 100% result, [(capped row, its result)])
-    resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / "full.json"), tmp / "full.json",
-                  None) if fits() else None
+    resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / "full.json", resident=True),
+                  tmp / "full.json", None) if fits() else None
     for r in range(repeats):
         if r:  # the next round's resident compute (round 0's is the row above)
-            resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / f"full{r}.json"),
-                          tmp / f"full{r}.json", None) if fits() else None
+            resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / f"full{r}.json",
+                                                      resident=True), tmp / f"full{r}.json", None) if fits() else None
         capped = []
         for cap in caps:
             for budget in budgets:
