@@ -11,7 +11,7 @@ bandwidth W (measured here: O_DIRECT random reads of the checkpoint). Nothing ca
 so each capped row reports its tok/s as a share of 1 / decode limit, and its TTFT as a multiple of the
 TTFT limit. Rows:
     stock resident       mlx-lm, no cap: the reference tokens (skipped when RAM cannot hold the model)
-    specmoe 100%         no cap: C, and tokens vs stock
+    specmoe 100%         no cap, memory governor off: C, and tokens vs stock (skipped as stock's is)
     specmoe B @ cap      each budget under each cap (cgroup v1, page cache counted, checkpoint evicted
                          from the page cache first; --io-mode direct by default)
     stock @ cap          (--stock-capped) mlx-lm under each cap: runs, thrashes or is killed
