@@ -171,12 +171,10 @@ def measure(model: Path, *, caps: list[int], budgets: list[str], n: int, prompt:
         notes.append(f"stock resident: not runnable here ({psutil.virtual_memory().available / 1e9:.1f} GB available, "
                      f"the model is {size / 1e9:.1f} GB)")
     rounds = []  # per round: (resident specmoe 100% result, [(capped row, its result)])
-    resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / "full.json", resident=True),
-                  tmp / "full.json", None) if fits() else None
     for r in range(repeats):
-        if r:  # the next round's resident compute (round 0's is the row above)
-            resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, tmp / f"full{r}.json",
-                                                      resident=True), tmp / f"full{r}.json", None) if fits() else None
+        full = tmp / f"full{r}.json"  # this round's resident compute
+        resident = go("specmoe 100%", specmoe_cmd(model, prompt, n, "100%", io_mode, full, resident=True), full,
+                      None) if fits() else None
         capped = []
         for cap in caps:
             for budget in budgets:

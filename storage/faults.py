@@ -38,12 +38,12 @@ fire exactly `times` times even with many I/O threads.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import math
 import random
 import threading
 import time
-import bisect
 from collections import Counter, deque
 from dataclasses import dataclass
 
